@@ -1,0 +1,21 @@
+"""async_rlhf: asynchronous off-policy RLHF (Noukhovitch et al., arXiv 2410.18252).
+
+Generator processes sample with vLLM and push rollouts tagged with their policy version into a
+bounded-staleness queue; accelerate/DeepSpeed learners train on them and broadcast weights back.
+"""
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "AsyncOnlineDPOTrainer": "async_rlhf.trainers.online_dpo",
+    "AsyncOnlineDPOConfig": "async_rlhf.config",
+    "AsyncRLConfig": "async_rlhf.config",
+}
+
+
+def __getattr__(name):  # lazy: `import async_rlhf` stays cheap and never imports vLLM
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'async_rlhf' has no attribute {name!r}")

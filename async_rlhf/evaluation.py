@@ -1,0 +1,211 @@
+"""Evaluating a policy the way the paper does: gold win-rate against reference summaries, and KL to the SFT model.
+
+For each held-out prompt the policy writes one near-greedy completion (greedy by default; the paper samples at
+temperature 0.01). Then:
+- `gold_win_rate`: fraction of prompts where the gold reward scores the policy's completion above the reference
+  summary (ties count one half);
+- `gold_reward`: mean gold reward of the policy's completions (`reference_gold_reward` is the references' mean);
+- `kl`: mean over completions of the sequence log-ratio log pi(y|x) - log pi_sft(y|x), both by teacher forcing
+  at temperature 1 on the policy's own samples;
+- `sft_perplexity`: exp of the SFT model's mean per-token negative log-likelihood of those completions (EOS
+  included when sampled), the paper's "KL (perplexity)" column.
+
+Sampling goes through a `GeneratorBackend` (see `generation/backend.py`): `TransformersSampler` below uses
+`model.generate`; any other backend with the same `generate` (vLLM) can be passed as `backend=`. Log-probs are
+always recomputed here with the transformers model, so every backend is measured the same way.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from async_rlhf.generation.backend import GeneratorBackend
+from async_rlhf.types import Completion, SamplingSettings, WeightUpdate
+
+RewardFunction = Callable[..., list[float]]
+
+
+class TransformersSampler:
+    """`GeneratorBackend` over a transformers causal LM in this process (evaluation and data preparation only;
+    it never loads weights from a `WeightUpdate`: pass it the model you want sampled)."""
+
+    name = "transformers"
+
+    def __init__(self, model: PreTrainedModel, pad_token_id: int, eos_token_id: int, batch_size: int = 128):
+        self.model = model
+        self.pad_token_id = pad_token_id
+        self.eos_token_id = eos_token_id
+        self.batch_size = batch_size
+
+    @torch.no_grad()
+    def generate(self, prompt_token_ids: list[list[int]], settings: SamplingSettings) -> list[list[Completion]]:
+        if settings.seed is not None:
+            torch.manual_seed(settings.seed)
+        was_training = self.model.training
+        self.model.eval()
+        device = next(self.model.parameters()).device
+        out: list[list[Completion]] = []
+        for start in range(0, len(prompt_token_ids), self.batch_size):
+            batch = prompt_token_ids[start:start + self.batch_size]
+            width = max(len(p) for p in batch)
+            input_ids = torch.tensor([[self.pad_token_id] * (width - len(p)) + p for p in batch], device=device)
+            attention_mask = (torch.arange(width, device=device)[None] >= torch.tensor(
+                [width - len(p) for p in batch], device=device)[:, None]).long()
+            greedy = settings.temperature == 0.0
+            gen = self.model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                max_new_tokens=settings.max_new_tokens,
+                do_sample=not greedy,
+                temperature=None if greedy else settings.temperature,
+                top_p=None if greedy else settings.top_p,
+                top_k=None if greedy or settings.top_k < 0 else settings.top_k,
+                num_return_sequences=settings.n,
+                pad_token_id=self.pad_token_id,
+                eos_token_id=self.eos_token_id,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+            new_tokens = gen.sequences[:, width:]  # [B * n, T]
+            logps = torch.stack(gen.logits, dim=1).float().log_softmax(-1)  # [B * n, T, V]
+            logps = logps.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)  # [B * n, T]
+            for i in range(len(batch)):
+                group = []
+                for j in range(i * settings.n, (i + 1) * settings.n):
+                    ids = new_tokens[j].tolist()
+                    stop = ids.index(self.eos_token_id) + 1 if self.eos_token_id in ids else len(ids)
+                    group.append(Completion(
+                        token_ids=ids[:stop],
+                        logprobs=logps[j, :stop].tolist(),
+                        finish_reason="stop" if stop < len(ids) or ids[-1] == self.eos_token_id else "length",
+                    ))
+                out.append(group)
+        self.model.train(was_training)
+        return out
+
+    def load_weights(self, update: WeightUpdate) -> None:
+        raise NotImplementedError("TransformersSampler samples the model it was given; it does not load updates")
+
+    def close(self) -> None:
+        pass
+
+
+@torch.no_grad()
+def completion_logprobs(model: PreTrainedModel, prompt_ids: list[list[int]], completion_ids: list[list[int]],
+                        pad_token_id: int, batch_size: int = 64) -> list[list[float]]:
+    """Per-token log pi(completion token | prompt, earlier tokens) at temperature 1, by teacher forcing.
+
+    Returns [N][T_i] floats, one per completion token."""
+    model.eval()
+    device = next(model.parameters()).device
+    out: list[list[float]] = []
+    for start in range(0, len(prompt_ids), batch_size):
+        prompts, comps = prompt_ids[start:start + batch_size], completion_ids[start:start + batch_size]
+        seqs = [p + c for p, c in zip(prompts, comps)]
+        width = max(len(s) for s in seqs)
+        input_ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        for i, s in enumerate(seqs):  # right padding: positions match the unpadded sequence
+            input_ids[i, :len(s)] = torch.tensor(s)
+            attention_mask[i, :len(s)] = 1
+        logits = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)).logits.float()
+        logps = logits[:, :-1].log_softmax(-1).gather(-1, input_ids[:, 1:, None].to(device)).squeeze(-1)  # [B, L-1]
+        for i, (p, c) in enumerate(zip(prompts, comps)):
+            out.append(logps[i, len(p) - 1:len(p) - 1 + len(c)].tolist())
+    return out
+
+
+def _load(model_or_path, dtype=torch.float32) -> PreTrainedModel:
+    if isinstance(model_or_path, PreTrainedModel):
+        return model_or_path
+    return AutoModelForCausalLM.from_pretrained(model_or_path, dtype=dtype)
+
+
+def evaluate_policy(
+    model_or_path: PreTrainedModel | str,
+    sft_model_path: PreTrainedModel | str | None,
+    num_prompts: int = 256,
+    seed: int = 0,
+    *,
+    dataset=None,
+    reward_fn: RewardFunction | None = None,
+    tokenizer=None,
+    backend: GeneratorBackend | None = None,
+    max_new_tokens: int = 24,
+    temperature: float = 0.0,
+    batch_size: int = 128,
+) -> dict:
+    """Gold win-rate, gold reward and KL to the SFT model of one policy on held-out prompts.
+
+    model_or_path: the policy (a transformers causal LM or a path to one saved with its tokenizer).
+    sft_model_path: the SFT model (or a path) that KL and perplexity are measured against; None skips them.
+    dataset: rows with `prompt` (text or chat messages) and `reference` columns; default: the built-in task's
+        test split for `seed`. The first `num_prompts` rows are used.
+    reward_fn: the gold reward, TRL signature; default: the built-in task's `gold_reward`.
+    tokenizer: default: the one saved with the policy (or with the SFT model, for an in-memory policy).
+    backend: what samples the completions; default `TransformersSampler` over the policy.
+    Returns a dict of floats and counts (see the module docstring for what each metric means).
+    """
+    from async_rlhf.data import builtin_task
+
+    start = time.perf_counter()
+    policy = _load(model_or_path)
+    if tokenizer is None:
+        source = model_or_path if isinstance(model_or_path, str) else sft_model_path
+        if not isinstance(source, str):
+            source = policy.config._name_or_path
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    if dataset is None:
+        dataset = builtin_task.make_splits(seed, sizes={"train": 0, "validation": 0, "test": num_prompts})["test"]
+    reward_fn = reward_fn or builtin_task.gold_reward
+    rows = dataset.select(range(min(num_prompts, len(dataset))))
+    prompts, references = list(rows["prompt"]), list(rows["reference"])
+
+    conversational = not isinstance(prompts[0], str)
+    texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) if conversational else p
+             for p in prompts]
+    prompt_ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    backend = backend or TransformersSampler(policy, tokenizer.pad_token_id, tokenizer.eos_token_id, batch_size)
+    settings = SamplingSettings(max_new_tokens=max_new_tokens, temperature=temperature, n=1, seed=seed)
+    samples = [group[0] for group in backend.generate(prompt_ids, settings)]
+    completions = [tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
+    truncated = [s.finish_reason == "length" for s in samples]
+    if conversational:
+        completions_arg = [[{"role": "assistant", "content": c}] for c in completions]
+    else:
+        completions_arg = completions
+
+    policy_scores = reward_fn(prompts=prompts, completions=completions_arg, truncated=truncated)
+    reference_scores = reward_fn(prompts=prompts, completions=references)
+    wins = [(a > b) + 0.5 * (a == b) for a, b in zip(policy_scores, reference_scores)]
+    lengths = [len(s.token_ids) for s in samples]
+    metrics = {
+        "gold_win_rate": sum(wins) / len(wins),
+        "gold_reward": sum(policy_scores) / len(policy_scores),
+        "reference_gold_reward": sum(reference_scores) / len(reference_scores),
+        "kl": float("nan"),
+        "sft_perplexity": float("nan"),
+        "completion_tokens_mean": sum(lengths) / len(lengths),
+        "truncated_fraction": sum(truncated) / len(truncated),
+        "num_prompts": len(prompts),
+    }
+    if sft_model_path is not None:
+        sft = _load(sft_model_path)
+        completion_ids = [s.token_ids for s in samples]
+        policy_logps = completion_logprobs(policy, prompt_ids, completion_ids, tokenizer.pad_token_id, batch_size)
+        sft_logps = completion_logprobs(sft, prompt_ids, completion_ids, tokenizer.pad_token_id, batch_size)
+        ratios = [sum(a) - sum(b) for a, b in zip(policy_logps, sft_logps)]
+        sft_nll = -sum(sum(b) for b in sft_logps) / max(1, sum(lengths))
+        metrics["kl"] = sum(ratios) / len(ratios)
+        metrics["sft_perplexity"] = math.exp(sft_nll)
+    metrics["seconds"] = time.perf_counter() - start
+    metrics["examples"] = [
+        {"prompt": p if isinstance(p, str) else p[-1]["content"], "completion": c, "reference": r}
+        for p, c, r in list(zip(prompts, completions, references))[:3]
+    ]
+    return metrics

@@ -1,0 +1,165 @@
+"""The asynchronous rollout pipeline: wires prompts -> generators -> staleness queue -> learner -> weights.
+
+This is the one place that owns processes and threads. On learner rank 0 it holds the `GeneratorPool`
+(generator processes + a reader thread), the `StalenessQueue` and the weight transport; other ranks hold
+nothing and receive each step's rollouts from rank 0 by broadcast.
+
+Step protocol, per optimizer step b (every learner rank calls both, in this order):
+1. `batch_for_step(b)`: rank 0 waits (at most `rollout_timeout`) for batch b, checks its staleness
+   (version >= b - max_staleness, else drops and regenerates it), and broadcasts it to all ranks.
+2. After the optimizer step, `after_optimizer_step(model, b + 1)`: every `sync_every` steps the weights are
+   gathered (a collective, for sharded learners), published, and queued to every generator; then rank 0
+   dispatches every batch that admission now allows (batch c is sent once the queued version >= c - S).
+
+Generation therefore overlaps training by up to `max_staleness` steps and never more. The learner never waits
+for a weight *load*: FIFO inboxes guarantee a generator loads version v before it samples any batch dispatched
+after v was queued.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import torch
+
+from async_rlhf.generation.pool import GeneratorPool
+from async_rlhf.generation.worker import GeneratorSpec
+from async_rlhf.prompt_stream import PromptStream
+from async_rlhf.staleness_queue import StalenessQueue
+from async_rlhf.types import GenerationRequest, RolloutBatch, SamplingSettings
+from async_rlhf.weight_sync import ShmWeightTransport, gather_full_state
+
+
+class RolloutPipeline:
+    def __init__(self, args, prompt_token_ids: list[list[int]], generator_model_path: str, accelerator,
+                 total_steps: int, settings: SamplingSettings, engine_kwargs: dict | None = None):
+        self.args = args
+        self.accelerator = accelerator
+        self.is_main = accelerator.is_main_process
+        self.prompt_token_ids = prompt_token_ids
+        self.stream = PromptStream(len(prompt_token_ids), args.prompts_per_step, args.seed)
+        self.total_steps = total_steps
+        self.settings = settings
+        self.generator_model_path = generator_model_path
+        self.engine_kwargs = engine_kwargs or {}
+        self.queue = StalenessQueue(args.max_staleness)
+        self.pool: GeneratorPool | None = None
+        self.transport: ShmWeightTransport | None = None
+        self.queued_version = 0  # newest weights sent to the generators
+        self.next_dispatch = 0  # next batch id to send
+        self.regenerated = 0
+        self.timers: collections.defaultdict[str, float] = collections.defaultdict(float)
+        self.sync_bytes = 0
+        self.syncs = 0
+        self.gen_tokens = 0
+        self.gen_seconds = 0.0
+        self._last_batch: RolloutBatch | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------
+    def start(self, initial_version: int = 0) -> None:
+        self.queued_version = initial_version
+        self.next_dispatch = initial_version
+        if not self.is_main:
+            return
+        a = self.args
+        if a.weight_transport == "nccl":
+            raise NotImplementedError("weight_transport='nccl' needs the GPU transport (not in this build); use 'shm'")
+        self.transport = ShmWeightTransport(a.shm_dir)
+        specs = [
+            GeneratorSpec(generator_id=i, backend=a.generator_backend, model_path=self.generator_model_path,
+                          device=dev, seed=a.seed + i, threads=a.generator_threads,
+                          engine_kwargs=self.engine_kwargs, initial_version=initial_version)
+            for i, dev in enumerate(a.generator_devices)
+        ]
+        self.pool = GeneratorPool(specs, self.queue.put, a.generator_start_timeout, a.weight_sync_timeout)
+        try:
+            self.pool.start()
+        except BaseException:
+            self.close()
+            raise
+        self._dispatch()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+
+    # ---- the step protocol -------------------------------------------------------------------------------
+    def batch_for_step(self, step: int) -> RolloutBatch:
+        batch = None
+        if self.is_main:
+            t0 = time.perf_counter()
+            while batch is None:
+                self._dispatch()
+                batch = self.queue.get(step, learner_version=step, timeout=self.args.rollout_timeout,
+                                       poll=self.pool.check)
+                if batch is None:  # arrived too stale: regenerate with the current weights
+                    self.regenerated += 1
+                    self._send(step)
+            self.timers["wait"] += time.perf_counter() - t0
+            self.gen_tokens += batch.num_tokens
+            self.gen_seconds += batch.seconds
+        if self.accelerator.num_processes > 1:
+            box = [batch]
+            torch.distributed.broadcast_object_list(box, src=0)
+            batch = box[0]
+        self._last_batch = batch
+        return batch
+
+    def after_optimizer_step(self, model, version: int) -> None:
+        """Call on every rank after the optimizer step that produced `version`."""
+        if version % self.args.sync_every == 0:
+            t0 = time.perf_counter()
+            state = gather_full_state(model, self.is_main)
+            t1 = time.perf_counter()
+            if self.is_main:
+                update = self.transport.publish(state, version)
+                self.pool.send_weights(update)
+                self.transport.release(self.pool.min_loaded_version())
+                self.queued_version = version
+                self.sync_bytes += update.num_bytes
+                self.syncs += 1
+            self.timers["sync_gather"] += t1 - t0
+            self.timers["sync_transfer"] += time.perf_counter() - t1
+        if self.is_main:
+            self._dispatch()
+
+    # ---- dispatch ----------------------------------------------------------------------------------------
+    def _dispatch(self) -> None:
+        while self.next_dispatch < self.total_steps and self.queue.admissible(self.next_dispatch, self.queued_version):
+            self._send(self.next_dispatch)
+            self.next_dispatch += 1
+
+    def _send(self, batch_id: int) -> None:
+        ids = self.stream.prompts_for_step(batch_id)
+        seed = None if self.settings.seed is None else self.settings.seed * 1_000_003 + batch_id
+        settings = SamplingSettings(**{**self.settings.__dict__, "seed": seed})
+        request = GenerationRequest(batch_id, ids, [self.prompt_token_ids[i] for i in ids], settings)
+        self.pool.send_request(batch_id % len(self.pool.specs), request)
+
+    # ---- metrics -----------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        """Cumulative pipeline metrics (meaningful on rank 0)."""
+        q = self.queue
+        trained = sum(q.staleness_counts.values())
+        out = {
+            "queue/staleness_mean": (sum(s * c for s, c in q.staleness_counts.items()) / trained) if trained else 0.0,
+            "queue/staleness_max": float(max(q.staleness_counts, default=0)),
+            "queue/dropped": float(q.dropped),
+            "queue/regenerated": float(self.regenerated),
+            "queue/depth": float(len(q)),
+            "generator/tokens_per_s": self.gen_tokens / self.gen_seconds if self.gen_seconds else 0.0,
+            "learner/wait_seconds": self.timers["wait"],
+            "sync/count": float(self.syncs),
+            "sync/bytes": float(self.sync_bytes),
+            "sync/gather_seconds": self.timers["sync_gather"],
+            "sync/transfer_seconds": self.timers["sync_transfer"],
+        }
+        if self.pool is not None and self.pool.load_seconds:
+            out["sync/load_seconds"] = sum(self.pool.load_seconds)
+            out["generator/version_loaded"] = float(self.pool.min_loaded_version())
+        return out

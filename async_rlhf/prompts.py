@@ -1,0 +1,60 @@
+"""Turning a prompt dataset into token ids, with the checks that must pass before any model loads."""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+
+class DatasetError(ValueError):
+    """The dataset cannot be trained on; the message names the column or row."""
+
+
+def check_prompt_dataset(dataset, name: str = "train_dataset") -> None:
+    """Cheap structural checks (no tokenizer needed): exists, non-empty, has a `prompt` column."""
+    if dataset is None:
+        raise DatasetError(f"{name}: a dataset with a 'prompt' column is required")
+    columns = list(getattr(dataset, "column_names", None) or [])
+    if "prompt" not in columns:
+        raise DatasetError(f"{name}: no 'prompt' column (columns: {columns})")
+    if len(dataset) == 0:
+        raise DatasetError(f"{name}: the dataset is empty")
+
+
+def is_conversational(prompt) -> bool:
+    return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
+
+
+def prompt_text(prompt, tokenizer) -> str:
+    """The exact text the policy is conditioned on (chat template applied to conversational prompts)."""
+    if is_conversational(prompt):
+        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    return prompt
+
+
+def tokenize_prompts(dataset, tokenizer, max_prompt_length: int, name: str = "train_dataset"):
+    """Returns (token ids per kept row, kept row indices). Empty or non-text prompts are errors naming the row;
+    prompts longer than `max_prompt_length` tokens are skipped, counted and logged (an error if none remain)."""
+    check_prompt_dataset(dataset, name)
+    ids, kept, too_long = [], [], []
+    for row, prompt in enumerate(dataset["prompt"]):
+        if not isinstance(prompt, str) and not is_conversational(prompt):
+            raise DatasetError(f"{name}: row {row}: 'prompt' must be text or a list of chat messages, "
+                               f"got {type(prompt).__name__}")
+        text = prompt_text(prompt, tokenizer)
+        if not text.strip():
+            raise DatasetError(f"{name}: row {row}: empty prompt")
+        tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(tokens) > max_prompt_length:
+            too_long.append(row)
+            continue
+        ids.append(tokens)
+        kept.append(row)
+    if too_long:
+        logger.warning("%s: skipped %d prompt(s) longer than %d tokens (rows %s%s)", name, len(too_long),
+                       max_prompt_length, too_long[:10], "..." if len(too_long) > 10 else "")
+    if not ids:
+        raise DatasetError(f"{name}: every prompt is longer than max_length - max_new_tokens = "
+                           f"{max_prompt_length} tokens")
+    return ids, kept

@@ -1,0 +1,100 @@
+"""Scoring completions: reward models, reward functions, their weighted sum, penalties and failure policy.
+
+A reward function is either a callable `f(prompts, completions, completion_ids, **columns) -> list[float|None]`
+(TRL's convention: text in, one score per completion), a sequence-classification model (its logit 0 on
+prompt + completion text), or a path to such a model. Several are combined with `reward_weights`.
+
+Bad rewards (an exception, None, NaN or inf) follow `reward_failure`: "raise" fails naming the function and
+the prompt id; "skip" marks the sample invalid (its score becomes NaN) and counts it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
+
+
+class RewardError(RuntimeError):
+    """A reward function failed or returned an unusable value; the message names it and the prompt."""
+
+
+def reward_name(func) -> str:
+    if isinstance(func, PreTrainedModel):
+        return func.config._name_or_path.rstrip("/").split("/")[-1] or type(func).__name__
+    return getattr(func, "__name__", type(func).__name__)
+
+
+class RewardScorer:
+    def __init__(self, reward_funcs, reward_weights=None, reward_processing_classes=None,
+                 missing_eos_penalty: float | None = None, failure: str = "raise", device="cpu"):
+        funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        if not funcs or any(f is None for f in funcs):
+            raise ValueError("reward_funcs: at least one reward function or reward model is required")
+        procs = reward_processing_classes
+        procs = procs if isinstance(procs, (list, tuple)) else [procs] * len(funcs)
+        self.funcs: list[Any] = []
+        self.tokenizers: list[Any] = []
+        for f, proc in zip(funcs, procs):
+            if isinstance(f, str):
+                proc = proc or AutoTokenizer.from_pretrained(f)
+                f = AutoModelForSequenceClassification.from_pretrained(f, num_labels=1)
+            if isinstance(f, PreTrainedModel):
+                f = f.to(device).eval().requires_grad_(False)
+                proc = proc or AutoTokenizer.from_pretrained(f.config._name_or_path)
+            elif not callable(f):
+                raise TypeError(f"reward_funcs: {f!r} is not a callable, a model or a path")
+            self.funcs.append(f)
+            self.tokenizers.append(proc)
+        weights = reward_weights if reward_weights is not None else [1.0] * len(self.funcs)
+        if len(weights) != len(self.funcs):
+            raise ValueError(f"reward_weights: {len(weights)} weight(s) for {len(self.funcs)} reward function(s)")
+        self.weights = torch.tensor(weights, dtype=torch.float32)
+        self.names = [reward_name(f) for f in self.funcs]
+        self.missing_eos_penalty = missing_eos_penalty
+        self.failure = failure
+        self.device = device
+        self.skipped = 0
+
+    @torch.no_grad()
+    def _model_scores(self, model, tokenizer, prompts: list[str], completions: list[str]) -> list[float]:
+        texts = [p + c for p, c in zip(prompts, completions)]
+        enc = tokenizer(texts, return_tensors="pt", padding=True, truncation=True).to(self.device)
+        return model(**enc).logits[:, 0].float().tolist()
+
+    def score(self, prompts: list[str], completions: list[str], completion_ids: list[list[int]],
+              finished: list[bool], prompt_ids: list[int], columns: dict[str, list] | None = None):
+        """Returns (scores [N] float tensor, NaN where skipped; per-function raw scores {name: [N]})."""
+        per_func: dict[str, list[float]] = {}
+        total = torch.zeros(len(completions))
+        for func, tok, name, w in zip(self.funcs, self.tokenizers, self.names, self.weights):
+            try:
+                if isinstance(func, PreTrainedModel):
+                    values = self._model_scores(func, tok, prompts, completions)
+                else:
+                    values = func(prompts=prompts, completions=completions, completion_ids=completion_ids,
+                                  **(columns or {}))
+            except Exception as exc:
+                if self.failure == "raise":
+                    raise RewardError(f"reward function {name!r} raised on prompt ids {sorted(set(prompt_ids))}: "
+                                      f"{type(exc).__name__}: {exc}") from exc
+                values = [None] * len(completions)
+            if len(values) != len(completions):
+                raise RewardError(f"reward function {name!r} returned {len(values)} scores for "
+                                  f"{len(completions)} completions")
+            clean = []
+            for v, pid in zip(values, prompt_ids):
+                bad = v is None or not math.isfinite(float(v))
+                if bad and self.failure == "raise":
+                    raise RewardError(f"reward function {name!r} returned {v!r} for prompt id {pid} "
+                                      "(set reward_failure='skip' to drop such samples)")
+                clean.append(float("nan") if bad else float(v))
+            per_func[name] = clean
+            total += w * torch.tensor(clean)
+        if self.missing_eos_penalty is not None:
+            total -= self.missing_eos_penalty * (~torch.tensor(finished)).float()
+        self.skipped += int(torch.isnan(total).sum())
+        return total, per_func
+

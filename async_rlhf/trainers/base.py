@@ -1,0 +1,333 @@
+"""What every asynchronous learner shares, as a transformers `Trainer` subclass (like TRL's online trainers).
+
+The Trainer drives optimizer steps, logging, callbacks and saving; the data does not come from its dataloader
+but from the `RolloutPipeline`: the dataloader only yields one ticket per micro-batch, and `training_step`
+asks the pipeline for the rollouts of the current optimizer step. A subclass implements `compute_rollout_loss`
+(the algorithm); everything else (models, prompts, rewards, generators, weight sync, metrics, the end-of-run
+summary, shutting every process down) lives here.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import json
+import math
+import os
+import shutil
+import signal
+import tempfile
+import time
+
+import torch
+from torch.utils.data import DataLoader
+from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback
+
+from async_rlhf.config import AsyncRLConfig, ConfigError
+from async_rlhf.pipeline import RolloutPipeline
+from async_rlhf.prompts import check_prompt_dataset, prompt_text, tokenize_prompts
+from async_rlhf.scoring import RewardScorer
+from async_rlhf.types import RolloutBatch, SamplingSettings, ScoredGroup
+
+
+class _StepTickets(torch.utils.data.Dataset):
+    """One item per micro-batch; the real data comes from the pipeline."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return i
+
+
+class _PipelineHooks(TrainerCallback):
+    def __init__(self, trainer: "AsyncTrainerBase"):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.trainer.pipeline.after_optimizer_step(self.trainer.model, state.global_step)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and logs is not None:
+            os.makedirs(args.output_dir, exist_ok=True)
+            with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps({"step": state.global_step, **logs}) + "\n")
+
+
+def _disable_dropout(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+def _check_generator_devices(args: AsyncRLConfig) -> None:
+    if args.device.type != "cuda":
+        return
+    learner = {f"cuda:{i}" for i in range(int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size)))}
+    clash = sorted(set(args.generator_devices) & learner)
+    if clash:
+        raise ConfigError(f"generator_devices: {clash} are also used by learner ranks ({sorted(learner)}); give the "
+                          "generators their own GPUs (e.g. launch learners on cuda:0-5 and generators on cuda:6,7)")
+    count = torch.cuda.device_count()
+    for dev in args.generator_devices:
+        if dev.startswith("cuda:") and int(dev[5:]) >= count:
+            raise ConfigError(f"generator_devices: {dev} does not exist (this machine has {count} GPU(s))")
+
+
+class AsyncTrainerBase(Trainer):
+    config_class = AsyncRLConfig
+
+    def __init__(self, model, ref_model=None, reward_funcs=None, args=None, data_collator=None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, reward_processing_classes=None, peft_config=None,
+                 compute_metrics=None, callbacks=None, optimizers=(None, None), preprocess_logits_for_metrics=None):
+        # ---- everything that can be checked before a model loads -------------------------------------------
+        if args is None:
+            args = self.config_class(output_dir=os.path.join(tempfile.gettempdir(), "async_rlhf-output"))
+        if not isinstance(args, self.config_class):
+            raise ConfigError(f"args: expected {self.config_class.__name__}, got {type(args).__name__}")
+        if peft_config is not None:
+            raise NotImplementedError("peft_config: LoRA policies are not supported yet; pass a full model")
+        check_prompt_dataset(train_dataset)
+        reward_funcs = reward_funcs if reward_funcs is not None else args.reward_model_path
+        if reward_funcs is None:
+            raise ConfigError("reward_funcs: pass a reward function, a reward model or a path "
+                              "(or set reward_model_path)")
+        _check_generator_devices(args)
+
+        # ---- models ------------------------------------------------------------------------------------------
+        init_kwargs = args.model_init_kwargs or {}
+        self._source_model_path = model if isinstance(model, str) else None
+        if isinstance(model, str):
+            model = AutoModelForCausalLM.from_pretrained(model, **init_kwargs)
+        if processing_class is None:
+            processing_class = AutoTokenizer.from_pretrained(self._source_model_path or model.config._name_or_path)
+        if processing_class.eos_token_id is None:
+            raise ConfigError("processing_class: the tokenizer has no eos_token; set one (completions must end)")
+        if processing_class.pad_token_id is None:
+            processing_class.pad_token = processing_class.eos_token
+        if isinstance(ref_model, str):
+            ref_model = AutoModelForCausalLM.from_pretrained(ref_model, **init_kwargs)
+        elif ref_model is None:
+            ref_model = copy.deepcopy(model)
+        ref_model.eval().requires_grad_(False)
+        if args.disable_dropout:
+            _disable_dropout(model)
+            _disable_dropout(ref_model)
+
+        # ---- prompts -----------------------------------------------------------------------------------------
+        self.prompt_token_ids, kept_rows = tokenize_prompts(
+            train_dataset, processing_class, args.max_length - args.max_new_tokens)
+        self.prompt_rows = kept_rows
+        self.extra_columns = [c for c in train_dataset.column_names if c != "prompt"]
+
+        super().__init__(model=model, args=args, data_collator=lambda items: {"tickets": items},
+                         train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
+                         compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers,
+                         preprocess_logits_for_metrics=preprocess_logits_for_metrics)
+        self.ref_model = ref_model.to(self.accelerator.device)
+        self.scorer = RewardScorer(reward_funcs, args.reward_weights, reward_processing_classes,
+                                   args.missing_eos_penalty, args.reward_failure, device=self.accelerator.device)
+        self.pipeline: RolloutPipeline | None = None
+        self.add_callback(_PipelineHooks(self))
+        self._metrics: dict[str, list[float]] = collections.defaultdict(list)
+        self._micro = 0
+        self._step_batch: RolloutBatch | None = None
+        self._train_seconds = 0.0
+        self._last_metrics: dict[str, float] = {}
+
+    # ---- data: tickets in, pipeline batches out ----------------------------------------------------------
+    def get_train_dataloader(self) -> DataLoader:
+        steps_per_epoch = len(self.prompt_token_ids) // self.args.prompts_per_step
+        if steps_per_epoch == 0:
+            raise ConfigError(
+                f"per_device_train_batch_size: one step needs {self.args.prompts_per_step} prompts "
+                f"(batch x processes x gradient_accumulation_steps) but the dataset has {len(self.prompt_token_ids)}")
+        tickets = _StepTickets(steps_per_epoch * self.args.gradient_accumulation_steps)
+        return DataLoader(tickets, batch_size=1, collate_fn=self.data_collator)
+
+    def _total_steps(self) -> int:
+        if self.args.max_steps > 0:
+            return self.args.max_steps
+        steps_per_epoch = len(self.prompt_token_ids) // self.args.prompts_per_step
+        return math.ceil(self.args.num_train_epochs * steps_per_epoch)
+
+    def sampling_settings(self) -> SamplingSettings:
+        a = self.args
+        return SamplingSettings(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
+                                top_k=a.top_k if a.top_k > 0 else -1, n=a.num_generations, seed=a.seed)
+
+    def micro_batch_groups(self) -> list[ScoredGroup]:
+        """This rank's prompts of the current micro-batch, with their completions scored."""
+        a = self.args
+        step = self.state.global_step
+        if self._micro == 0:
+            self._step_batch = self.pipeline.batch_for_step(step)
+        batch = self._step_batch
+        per = a.per_device_train_batch_size
+        start = (self._micro * self.accelerator.num_processes + self.accelerator.process_index) * per
+        self._micro = (self._micro + 1) % a.gradient_accumulation_steps
+        rows = range(start, start + per)
+        tok = self.processing_class
+        eos = tok.eos_token_id
+        prompts, completions, comp_ids, finished, pids = [], [], [], [], []
+        columns = collections.defaultdict(list)
+        for r in rows:
+            pid = batch.prompt_ids[r]
+            row = self.train_dataset[self.prompt_rows[pid]]
+            ptext = prompt_text(row["prompt"], tok)
+            for c in batch.completions[r]:
+                prompts.append(ptext)
+                completions.append(tok.decode(c.token_ids, skip_special_tokens=True))
+                comp_ids.append(c.token_ids)
+                finished.append(c.finish_reason == "stop" or (len(c.token_ids) > 0 and c.token_ids[-1] == eos))
+                pids.append(pid)
+                for col in self.extra_columns:
+                    columns[col].append(row[col])
+        scores, per_func = self.scorer.score(prompts, completions, comp_ids, finished, pids, dict(columns))
+        n = a.num_generations
+        for name, values in per_func.items():
+            finite = [v for v in values if math.isfinite(v)]
+            self._metrics[f"rewards/{name}/mean"].append(sum(finite) / len(finite) if finite else 0.0)
+        self._metrics["val/contain_eos_token"].append(sum(finished) / len(finished))
+        self._metrics["generator/completion_length"].append(sum(len(c) for c in comp_ids) / len(comp_ids))
+        self._metrics["queue/staleness_of_batch"].append(float(step - batch.policy_version))
+        return [
+            ScoredGroup(prompt_id=batch.prompt_ids[r], prompt_token_ids=batch.prompt_token_ids[r],
+                        completions=batch.completions[r], rewards=scores[i * n:(i + 1) * n].tolist(),
+                        policy_version=batch.policy_version)
+            for i, r in enumerate(rows)
+        ]
+
+    # ---- the algorithm hook --------------------------------------------------------------------------------
+    def compute_rollout_loss(self, model, groups: list[ScoredGroup]) -> tuple[torch.Tensor, dict[str, float]]:
+        raise NotImplementedError
+
+    def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
+        model.train()
+        t0 = time.perf_counter()
+        wait0 = self.pipeline.timers["wait"]
+        groups = self.micro_batch_groups()
+        loss, metrics = self.compute_rollout_loss(model, groups)
+        for k, v in metrics.items():
+            self._metrics[k].append(float(v))
+        loss = loss / self.current_gradient_accumulation_steps
+        kwargs = {"scale_wrt_gas": False} if self.accelerator.distributed_type == "DEEPSPEED" else {}
+        self.accelerator.backward(loss, **kwargs)
+        self._train_seconds += time.perf_counter() - t0 - (self.pipeline.timers["wait"] - wait0)
+        return loss.detach()
+
+    # ---- run: start generators, train, always shut down --------------------------------------------------
+    def _generator_model_dir(self) -> tuple[str, bool]:
+        """A directory the generators start from (version 0): the source path, or a RAM copy. (path, is_temp)"""
+        src = self._source_model_path
+        if src and os.path.isfile(os.path.join(src, "config.json")):
+            return src, False
+        path = tempfile.mkdtemp(prefix="async_rlhf-init-", dir=self.args.shm_dir)
+        if self.accelerator.is_main_process:
+            self.accelerator.unwrap_model(self.model).save_pretrained(path)
+            self.processing_class.save_pretrained(path)
+        return path, True
+
+    def _engine_kwargs(self) -> dict:
+        a = self.args
+        if a.generator_backend != "vllm":
+            return {"dtype": str(next(self.model.parameters()).dtype).replace("torch.", "")}
+        return {"dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
+                "max_model_len": a.vllm_max_model_len or a.max_length,
+                "gpu_memory_utilization": a.vllm_gpu_memory_utilization,
+                "enforce_eager": a.vllm_enforce_eager, "tensor_parallel_size": a.vllm_tensor_parallel_size}
+
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        if resume_from_checkpoint:
+            raise NotImplementedError("resume_from_checkpoint: exact resume of the asynchronous pipeline is not "
+                                      "implemented yet")
+        model_dir, is_temp = self._generator_model_dir()
+        self.pipeline = RolloutPipeline(self.args, self.prompt_token_ids, model_dir, self.accelerator,
+                                        self._total_steps(), self.sampling_settings(), self._engine_kwargs())
+        previous = signal.getsignal(signal.SIGTERM)
+        if self.accelerator.is_main_process:
+            signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+        t0 = time.perf_counter()
+        try:
+            self.pipeline.start()
+            output = super().train(resume_from_checkpoint=None, trial=trial,
+                                   ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+        finally:
+            self.pipeline.close()
+            if self.accelerator.is_main_process:
+                signal.signal(signal.SIGTERM, previous)
+                if is_temp:
+                    shutil.rmtree(model_dir, ignore_errors=True)
+        self.run_summary = self._summary(time.perf_counter() - t0)
+        if self.accelerator.is_main_process:
+            print(format_summary(self.run_summary), flush=True)
+            os.makedirs(self.args.output_dir, exist_ok=True)
+            with open(os.path.join(self.args.output_dir, "run_summary.json"), "w") as f:
+                json.dump(self.run_summary, f, indent=2)
+        return output
+
+    # ---- logging -----------------------------------------------------------------------------------------
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self._metrics:
+            keys = sorted(self._metrics)
+            values = torch.tensor([sum(self._metrics[k]) / len(self._metrics[k]) for k in keys],
+                                  device=self.accelerator.device)
+            if self.accelerator.num_processes > 1:
+                values = self.accelerator.reduce(values, reduction="mean")
+            means = dict(zip(keys, values.tolist()))
+            logs = {**logs, **means}
+            self._last_metrics = means
+            self._metrics.clear()
+        if self.pipeline is not None and "train_loss" not in logs:
+            logs = {**logs, **self.pipeline.stats()}
+        super().log(logs, start_time)
+
+    def _summary(self, wall: float) -> dict:
+        p = self.pipeline
+        stats = p.stats()
+        a = self.args
+        steps = self.state.global_step
+        return {
+            "steps": steps,
+            "prompts": steps * a.prompts_per_step,
+            "samples": steps * a.prompts_per_step * a.num_generations,
+            "wall_seconds": wall,
+            "generator_start_seconds": p.pool.start_seconds if p.pool else None,
+            "generate_seconds": p.gen_seconds,
+            "train_seconds": self._train_seconds,
+            "wait_seconds": p.timers["wait"],
+            "sync_seconds": p.timers["sync_gather"] + p.timers["sync_transfer"],
+            "sync_load_seconds": stats.get("sync/load_seconds", 0.0),
+            "sync_bytes": p.sync_bytes,
+            "staleness_histogram": {int(k): v for k, v in sorted(p.queue.staleness_counts.items())},
+            "dropped": p.queue.dropped,
+            "regenerated": p.regenerated,
+            "rewards_skipped": self.scorer.skipped,
+            "max_staleness": a.max_staleness,
+            "sync_every": a.sync_every,
+            "final": {k: v for k, v in self._last_metrics.items()
+                      if k in ("objective/scores", "objective/kl", "objective/rlhf_reward", "loss")},
+        }
+
+
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"received signal {signum}")
+
+
+def format_summary(s: dict) -> str:
+    hist = ", ".join(f"{k}: {v}" for k, v in s["staleness_histogram"].items()) or "none"
+    final = ", ".join(f"{k} {v:.4g}" for k, v in s["final"].items())
+    return "\n".join([
+        "=== async_rlhf run summary ===",
+        f"steps {s['steps']} | prompts {s['prompts']} | samples {s['samples']} | wall {s['wall_seconds']:.1f}s "
+        f"(generator start {s['generator_start_seconds'] or 0:.1f}s)",
+        f"time: generating {s['generate_seconds']:.1f}s | training {s['train_seconds']:.1f}s | learner waiting "
+        f"{s['wait_seconds']:.1f}s | syncing {s['sync_seconds']:.2f}s (+{s['sync_load_seconds']:.2f}s loading in "
+        f"generators, {s['sync_bytes'] / 1e6:.1f} MB)",
+        f"staleness histogram (steps behind: batches) {{{hist}}} | bound {s['max_staleness']} | dropped "
+        f"{s['dropped']} | regenerated {s['regenerated']} | rewards skipped {s['rewards_skipped']}",
+        f"final: {final}",
+    ])

@@ -1,0 +1,50 @@
+"""Weights through shared memory: one safetensors file per version in a RAM-backed directory (/dev/shm).
+
+Never the disk, never a pickle on a pipe. The file is written under a temporary name and renamed, so a
+generator can never read a half-written version. Files of versions that every generator has acknowledged
+(and that are no longer the newest) are deleted by `release`; `close` removes the directory.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+
+import torch
+from safetensors.torch import save_file
+
+from async_rlhf.types import WeightUpdate
+
+
+class ShmWeightTransport:
+    name = "shm"
+
+    def __init__(self, shm_dir: str = "/dev/shm"):
+        if not os.path.isdir(shm_dir):
+            raise FileNotFoundError(f"shm_dir: {shm_dir!r} does not exist (set shm_dir to a RAM-backed directory)")
+        self.dir = tempfile.mkdtemp(prefix="async_rlhf-weights-", dir=shm_dir)
+        self.last_write_seconds = 0.0
+
+    def publish(self, state: dict[str, torch.Tensor], version: int) -> WeightUpdate:
+        t0 = time.perf_counter()
+        path = os.path.join(self.dir, f"policy-v{version}.safetensors")
+        tmp = path + ".tmp"
+        contiguous = {k: v.contiguous() for k, v in state.items()}
+        save_file(contiguous, tmp)
+        os.replace(tmp, path)
+        self.last_write_seconds = time.perf_counter() - t0
+        num_bytes = sum(v.numel() * v.element_size() for v in contiguous.values())
+        return WeightUpdate(version=version, transport="shm", path=path, names=list(contiguous), num_bytes=num_bytes)
+
+    def release(self, version: int) -> None:
+        """Delete every file older than `version` (all generators have loaded `version` or newer)."""
+        for name in os.listdir(self.dir):
+            if name.startswith("policy-v") and name.endswith(".safetensors"):
+                v = int(name[len("policy-v"):-len(".safetensors")])
+                if v < version:
+                    os.unlink(os.path.join(self.dir, name))
+
+    def close(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)

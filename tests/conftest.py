@@ -1,0 +1,16 @@
+import os
+
+import pytest
+
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random Llama with the char tokenizer, saved once per test session."""
+    from async_rlhf.models import save_tiny_model
+
+    return save_tiny_model(str(tmp_path_factory.mktemp("tiny_model")))
