@@ -23,6 +23,12 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field."""
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _require(condition: bool, field_name: str, message: str) -> None:
     if not condition:
         raise ConfigError(f"{field_name}: {message}")
@@ -154,6 +160,9 @@ class AsyncRLConfig(TrainingArguments):
         _require(self.top_k >= 0, "top_k", f"must be >= 0, got {self.top_k}")
         for name in ("generator_start_timeout", "rollout_timeout", "weight_sync_timeout"):
             _require(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
+        if not _cuda_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1 and self.ddp_backend is None:
+            # several CPU learner ranks: accelerate's multi-GPU launcher on a CPU-only machine needs gloo
+            self.ddp_backend, self.use_cpu = "gloo", True
         if self.generator_threads is None:
             self.generator_threads = max(1, (os.cpu_count() or 2) // 2)
         super().__post_init__()

@@ -34,7 +34,7 @@ def tiny_llama(
     tokenizer: PreTrainedTokenizerFast,
     hidden_size: int = 64,
     num_layers: int = 2,
-    num_heads: int = 4,
+    num_heads: int = 2,  # head size 32: vLLM's CPU attention supports head sizes 32, 64, 80, ...,
     max_position_embeddings: int = 256,
     seed: int = 0,
 ) -> LlamaForCausalLM:

@@ -54,6 +54,7 @@ class RolloutPipeline:
         self.syncs = 0
         self.gen_tokens = 0
         self.gen_seconds = 0.0
+        self.start_seconds = 0.0
         self._last_batch: RolloutBatch | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
@@ -78,6 +79,7 @@ class RolloutPipeline:
         except BaseException:
             self.close()
             raise
+        self.start_seconds = self.pool.start_seconds
         self._dispatch()
 
     def close(self) -> None:

@@ -12,7 +12,8 @@ class DatasetError(ValueError):
 
 
 def check_prompt_dataset(dataset, name: str = "train_dataset") -> None:
-    """Cheap structural checks (no tokenizer needed): exists, non-empty, has a `prompt` column."""
+    """Checks that need no tokenizer: exists, non-empty, has a `prompt` column, every prompt is non-empty text
+    or a list of chat messages. Errors name the row."""
     if dataset is None:
         raise DatasetError(f"{name}: a dataset with a 'prompt' column is required")
     columns = list(getattr(dataset, "column_names", None) or [])
@@ -20,10 +21,19 @@ def check_prompt_dataset(dataset, name: str = "train_dataset") -> None:
         raise DatasetError(f"{name}: no 'prompt' column (columns: {columns})")
     if len(dataset) == 0:
         raise DatasetError(f"{name}: the dataset is empty")
+    for row, prompt in enumerate(dataset["prompt"]):
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise DatasetError(f"{name}: row {row}: empty prompt")
+        elif not is_conversational(prompt):
+            raise DatasetError(f"{name}: row {row}: 'prompt' must be text or a list of chat messages "
+                               f"({{'role': ..., 'content': ...}}), got {type(prompt).__name__}")
+        elif not prompt:
+            raise DatasetError(f"{name}: row {row}: empty conversation")
 
 
 def is_conversational(prompt) -> bool:
-    return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
+    return isinstance(prompt, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in prompt)
 
 
 def prompt_text(prompt, tokenizer) -> str:
@@ -39,12 +49,7 @@ def tokenize_prompts(dataset, tokenizer, max_prompt_length: int, name: str = "tr
     check_prompt_dataset(dataset, name)
     ids, kept, too_long = [], [], []
     for row, prompt in enumerate(dataset["prompt"]):
-        if not isinstance(prompt, str) and not is_conversational(prompt):
-            raise DatasetError(f"{name}: row {row}: 'prompt' must be text or a list of chat messages, "
-                               f"got {type(prompt).__name__}")
         text = prompt_text(prompt, tokenizer)
-        if not text.strip():
-            raise DatasetError(f"{name}: row {row}: empty prompt")
         tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(tokens) > max_prompt_length:
             too_long.append(row)

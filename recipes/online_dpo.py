@@ -41,10 +41,10 @@ def setup_task(script: ScriptArguments, config: AsyncOnlineDPOConfig):
     """Returns (model, reward_funcs, train_dataset, eval_fn or None)."""
     if script.task == "toy":
         from async_rlhf.models import save_tiny_model
-        from async_rlhf.toy_task import letter_a_reward, toy_prompts
+        from async_rlhf.toy_task import lowercase_reward, toy_prompts
 
         path = script.model_name_or_path or save_tiny_model(os.path.join(config.output_dir, "init_model"))
-        return path, letter_a_reward, toy_prompts(256, config.seed), None
+        return path, lowercase_reward, toy_prompts(256, config.seed), None
     if script.task == "builtin":
         from async_rlhf.data.builtin_task import gold_reward, make_splits
         from async_rlhf.data.prepare import prepare_builtin

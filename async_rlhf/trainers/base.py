@@ -135,7 +135,7 @@ class AsyncTrainerBase(Trainer):
         self._metrics: dict[str, list[float]] = collections.defaultdict(list)
         self._micro = 0
         self._step_batch: RolloutBatch | None = None
-        self._train_seconds = 0.0
+        self._loop_seconds = 0.0
         self._last_metrics: dict[str, float] = {}
 
     # ---- data: tickets in, pipeline batches out ----------------------------------------------------------
@@ -207,8 +207,6 @@ class AsyncTrainerBase(Trainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         model.train()
-        t0 = time.perf_counter()
-        wait0 = self.pipeline.timers["wait"]
         groups = self.micro_batch_groups()
         loss, metrics = self.compute_rollout_loss(model, groups)
         for k, v in metrics.items():
@@ -216,7 +214,6 @@ class AsyncTrainerBase(Trainer):
         loss = loss / self.current_gradient_accumulation_steps
         kwargs = {"scale_wrt_gas": False} if self.accelerator.distributed_type == "DEEPSPEED" else {}
         self.accelerator.backward(loss, **kwargs)
-        self._train_seconds += time.perf_counter() - t0 - (self.pipeline.timers["wait"] - wait0)
         return loss.detach()
 
     # ---- run: start generators, train, always shut down --------------------------------------------------
@@ -253,8 +250,10 @@ class AsyncTrainerBase(Trainer):
         t0 = time.perf_counter()
         try:
             self.pipeline.start()
+            t_loop = time.perf_counter()
             output = super().train(resume_from_checkpoint=None, trial=trial,
                                    ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+            self._loop_seconds = time.perf_counter() - t_loop
         finally:
             self.pipeline.close()
             if self.accelerator.is_main_process:
@@ -295,9 +294,10 @@ class AsyncTrainerBase(Trainer):
             "prompts": steps * a.prompts_per_step,
             "samples": steps * a.prompts_per_step * a.num_generations,
             "wall_seconds": wall,
-            "generator_start_seconds": p.pool.start_seconds if p.pool else None,
+            "loop_seconds": self._loop_seconds,
+            "generator_start_seconds": p.start_seconds,
             "generate_seconds": p.gen_seconds,
-            "train_seconds": self._train_seconds,
+            "train_seconds": self._loop_seconds - p.timers["wait"],  # learner busy: all but waiting for rollouts
             "wait_seconds": p.timers["wait"],
             "sync_seconds": p.timers["sync_gather"] + p.timers["sync_transfer"],
             "sync_load_seconds": stats.get("sync/load_seconds", 0.0),

