@@ -55,6 +55,7 @@ class RolloutPipeline:
         self.gen_tokens = 0
         self.gen_seconds = 0.0
         self.start_seconds = 0.0
+        self.load_seconds = 0.0  # generator-side weight loading, summed (kept after close)
         self._last_batch: RolloutBatch | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
@@ -84,6 +85,7 @@ class RolloutPipeline:
 
     def close(self) -> None:
         if self.pool is not None:
+            self.load_seconds = sum(self.pool.load_seconds)
             self.pool.close()
             self.pool = None
         if self.transport is not None:
@@ -161,7 +163,8 @@ class RolloutPipeline:
             "sync/gather_seconds": self.timers["sync_gather"],
             "sync/transfer_seconds": self.timers["sync_transfer"],
         }
-        if self.pool is not None and self.pool.load_seconds:
-            out["sync/load_seconds"] = sum(self.pool.load_seconds)
+        if self.pool is not None:
+            self.load_seconds = sum(self.pool.load_seconds)
             out["generator/version_loaded"] = float(self.pool.min_loaded_version())
+        out["sync/load_seconds"] = self.load_seconds
         return out

@@ -43,7 +43,9 @@ def setup_task(script: ScriptArguments, config: AsyncOnlineDPOConfig):
         from async_rlhf.models import save_tiny_model
         from async_rlhf.toy_task import lowercase_reward, toy_prompts
 
-        path = script.model_name_or_path or save_tiny_model(os.path.join(config.output_dir, "init_model"))
+        path = script.model_name_or_path or os.path.join(config.output_dir, "init_model")
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            save_tiny_model(path)
         return path, lowercase_reward, toy_prompts(256, config.seed), None
     if script.task == "builtin":
         from async_rlhf.data.builtin_task import gold_reward, make_splits
@@ -74,7 +76,8 @@ def main(argv: list[str]) -> None:
     script, config = parse_args((ScriptArguments, AsyncOnlineDPOConfig), argv)
     from async_rlhf import AsyncOnlineDPOTrainer
 
-    model, reward, train_dataset, evaluate = setup_task(script, config)
+    with config.main_process_first(desc="task set-up"):  # rank 0 builds caches and models; the others then read
+        model, reward, train_dataset, evaluate = setup_task(script, config)
     trainer = AsyncOnlineDPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=train_dataset)
     trainer.train()
     trainer.save_model(config.output_dir)

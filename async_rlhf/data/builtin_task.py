@@ -74,7 +74,7 @@ class OracleNoise:
     add_filler: float  # one filler word from the post is inserted at a random place
     add_distractor: float  # one distractor (a content word the post says once) is inserted
     swap: float  # two neighbouring key words are swapped
-    opener: float  # the summary starts with a filler word ("my cat vet.")
+    opener: float  # the summary starts with the post's first filler word ("my cat vet.")
     ramble: float  # one to three post words are appended after the key words
 
 
@@ -102,15 +102,19 @@ class Post:
 
 
 def sample_post(rng: random.Random) -> Post:
-    """2-3 key words said 2-3 times each, 1-2 distractors said once, fillers in between (about 10-25 words)."""
+    """2-3 on-topic key words said 2-3 times each, 1-2 distractors said once, fillers in between (8-25 words).
+
+    Distractors are usually off-topic words (easy to tell apart by the subreddit); one time in three an
+    on-topic word said once joins them, which only counting mentions tells apart from a key word."""
     topic = rng.choice(sorted(TOPICS))
     own = list(TOPICS[topic])
     rng.shuffle(own)
     num_keys = rng.choice((2, 3))
-    keys, distractors = own[:num_keys], own[num_keys:num_keys + rng.choice((1, 2))]
-    if rng.random() < 0.3:  # now and then a word from another topic wanders in
-        other = rng.choice([t for t in sorted(TOPICS) if t != topic])
-        distractors.append(rng.choice(TOPICS[other]))
+    keys = own[:num_keys]
+    others = rng.sample([t for t in sorted(TOPICS) if t != topic], 2)
+    distractors = [rng.choice(TOPICS[t]) for t in others[:rng.choice((1, 2))]]
+    if rng.random() < 1 / 3:
+        distractors.append(own[num_keys])
     content = [w for w in keys for _ in range(rng.choice((2, 2, 3)))] + distractors
     rng.shuffle(content)
     words: list[str] = []
@@ -136,7 +140,7 @@ def noisy_summary(post: Post, noise: OracleNoise, rng: random.Random) -> str:
     if rng.random() < noise.add_filler:
         words.insert(rng.randrange(1, len(words) + 1), rng.choice(fillers))
     if rng.random() < noise.opener:
-        words.insert(0, rng.choice(("i", "my", "so")))
+        words.insert(0, fillers[0])
     if rng.random() < noise.ramble:
         words += rng.choices(post.words, k=rng.choice((1, 2, 3)))
     return " " + " ".join(words) + "."

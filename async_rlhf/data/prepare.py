@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from transformers import LlamaForSequenceClassification, PreTrainedModel, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, LlamaForSequenceClassification, PreTrainedModel, PreTrainedTokenizerFast
 
 from async_rlhf.data import builtin_task
 from async_rlhf.data.tokenizer import build_tokenizer
@@ -52,6 +52,7 @@ class SFTSettings:
     hidden_size: int = 128  # the policy: a Llama with this width, 4x wider MLP, head size hidden_size / num_heads
     num_layers: int = 4
     num_heads: int = 4
+    prompt_loss: bool = True  # also train on the posts: predicting repeated words teaches the copying a summary needs
 
 
 @dataclass
@@ -101,7 +102,7 @@ def train_sft(settings: SFTSettings, tokenizer: PreTrainedTokenizerFast, acceler
     for prompt, completion in zip(data["prompt"], data["completion"]):
         p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         c = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        examples.append((p + c, [-100] * len(p) + c))
+        examples.append((p + c, (p if settings.prompt_loss else [-100] * len(p)) + c))
 
     model = tiny_llama(tokenizer, settings.hidden_size, settings.num_layers, settings.num_heads,
                        max_position_embeddings=128, seed=settings.seed)
@@ -115,10 +116,10 @@ def train_sft(settings: SFTSettings, tokenizer: PreTrainedTokenizerFast, acceler
     for step in range(settings.steps):
         batch = rng.sample(examples, settings.batch_size)  # same draw on every rank; each takes its slice
         batch = batch[accelerator.process_index * per_process:(accelerator.process_index + 1) * per_process]
-        input_ids, attention_mask = _right_pad([b[0] for b in batch], tokenizer.pad_token_id)
+        # Right padding needs no attention mask: causal attention never lets a real token see the pads after it.
+        input_ids, _ = _right_pad([b[0] for b in batch], tokenizer.pad_token_id)
         labels, _ = _right_pad([b[1] for b in batch], -100)
-        out = model(input_ids=input_ids.to(accelerator.device), attention_mask=attention_mask.to(accelerator.device),
-                    labels=labels.to(accelerator.device))
+        out = model(input_ids=input_ids.to(accelerator.device), labels=labels.to(accelerator.device))
         accelerator.backward(out.loss)
         accelerator.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -127,3 +128,217 @@ def train_sft(settings: SFTSettings, tokenizer: PreTrainedTokenizerFast, acceler
         if step % 100 == 0 or step == settings.steps - 1:
             logger.info("sft step %d/%d loss %.4f", step, settings.steps, out.loss.item())
     return accelerator.unwrap_model(model)
+
+
+def sample_preference_pairs(policy: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, split: str, num_prompts: int,
+                            settings: RewardModelSettings) -> dict[str, list]:
+    """Two completions per prompt from `policy`, labelled by the gold reward; pairs the gold scores tie are dropped.
+
+    Returns columns `prompt`, `chosen`, `rejected` (texts) and `margin` (gold chosen - gold rejected)."""
+    rows = builtin_task.make_split(num_prompts, settings.seed, split)
+    prompts = list(rows["prompt"])
+    prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    sampler = TransformersSampler(policy, tokenizer.pad_token_id, tokenizer.eos_token_id)
+    sampling = SamplingSettings(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature, n=2,
+                                seed=settings.seed)
+    pairs: dict[str, list] = {"prompt": [], "chosen": [], "rejected": [], "margin": []}
+    for prompt, group in zip(prompts, sampler.generate(prompt_ids, sampling)):
+        texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in group]
+        truncated = [c.finish_reason == "length" for c in group]
+        a, b = builtin_task.gold_reward([prompt] * 2, texts, truncated=truncated)
+        if a == b:
+            continue
+        pairs["prompt"].append(prompt)
+        pairs["chosen"].append(texts[0] if a > b else texts[1])
+        pairs["rejected"].append(texts[1] if a > b else texts[0])
+        pairs["margin"].append(abs(a - b))
+    return pairs
+
+
+@torch.no_grad()
+def reward_scores(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, prompts: list[str],
+                  completions: list[str], batch_size: int = 64) -> list[float]:
+    """The reward model's score of each prompt + completion text (how `scoring.py` feeds reward models)."""
+    model.eval()
+    out: list[float] = []
+    for start in range(0, len(prompts), batch_size):
+        texts = [p + c for p, c in zip(prompts[start:start + batch_size], completions[start:start + batch_size])]
+        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        out += model(**enc).logits[:, 0].float().tolist()
+    return out
+
+
+def pairwise_accuracy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, pairs: dict[str, list]) -> float:
+    chosen = reward_scores(model, tokenizer, pairs["prompt"], pairs["chosen"])
+    rejected = reward_scores(model, tokenizer, pairs["prompt"], pairs["rejected"])
+    return sum(c > r for c, r in zip(chosen, rejected)) / max(1, len(chosen))
+
+
+def train_reward_model(settings: RewardModelSettings, sft_model_path: str, tokenizer: PreTrainedTokenizerFast,
+                       accelerator=None) -> tuple[PreTrainedModel, dict]:
+    """The paper's proxy reward model: the SFT model with a scalar head, trained with the Bradley-Terry loss
+    -log sigmoid(r(x, y_chosen) - r(x, y_rejected)) on SFT samples labelled by the gold reward.
+
+    Returns the (unwrapped) model and metrics: pair counts and held-out pairwise accuracy against gold labels."""
+    from accelerate import Accelerator
+
+    accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
+    policy = AutoModelForCausalLM.from_pretrained(sft_model_path, dtype=torch.float32)
+    train_pairs = sample_preference_pairs(policy, tokenizer, "preference", settings.num_pairs, settings)
+    eval_pairs = sample_preference_pairs(policy, tokenizer, "validation", settings.num_eval_pairs, settings)
+    del policy
+    logger.info("reward model: %d train pairs, %d held-out pairs (gold ties dropped)",
+                len(train_pairs["prompt"]), len(eval_pairs["prompt"]))
+
+    torch.manual_seed(settings.seed)
+    model = LlamaForSequenceClassification.from_pretrained(sft_model_path, num_labels=1, dtype=torch.float32)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    accuracy_before = pairwise_accuracy(model, tokenizer, eval_pairs)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.learning_rate, weight_decay=0.01)
+    num_pairs = len(train_pairs["prompt"])
+    steps = settings.epochs * (num_pairs // settings.batch_size)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(steps))
+    model, optimizer = accelerator.prepare(model, optimizer)
+    per_process = settings.batch_size // accelerator.num_processes
+    rng = random.Random(settings.seed)
+    model.train()
+    step = 0
+    for epoch in range(settings.epochs):
+        order = list(range(num_pairs))
+        rng.shuffle(order)
+        for start in range(0, num_pairs - settings.batch_size + 1, settings.batch_size):
+            idx = order[start:start + settings.batch_size]
+            idx = idx[accelerator.process_index * per_process:(accelerator.process_index + 1) * per_process]
+            prompts = [train_pairs["prompt"][i] for i in idx]
+            texts = [p + train_pairs["chosen"][i] for p, i in zip(prompts, idx)]
+            texts += [p + train_pairs["rejected"][i] for p, i in zip(prompts, idx)]
+            enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(accelerator.device)
+            rewards = model(**enc).logits[:, 0]  # [2B]: chosen then rejected
+            loss = -torch.nn.functional.logsigmoid(rewards[:len(idx)] - rewards[len(idx):]).mean()
+            accelerator.backward(loss)
+            accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            if step % 50 == 0:
+                logger.info("reward model epoch %d step %d/%d loss %.4f", epoch, step, steps, loss.item())
+            step += 1
+    model = accelerator.unwrap_model(model)
+    metrics = {
+        "train_pairs": num_pairs,
+        "eval_pairs": len(eval_pairs["prompt"]),
+        "eval_accuracy": pairwise_accuracy(model, tokenizer, eval_pairs),
+        "eval_accuracy_at_init": accuracy_before,
+        "train_accuracy": pairwise_accuracy(model, tokenizer, {k: v[:512] for k, v in train_pairs.items()}),
+    }
+    return model, metrics
+
+
+def default_cache_dir(seed: int = 0) -> str:
+    root = os.environ.get("ASYNC_RLHF_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "async_rlhf")
+    return os.path.join(root, f"builtin-v{builtin_task.TASK_VERSION}" + (f"-seed{seed}" if seed else ""))
+
+
+def _paths(cache_dir: str) -> dict:
+    return {
+        "cache_dir": cache_dir,
+        "tokenizer": os.path.join(cache_dir, "tokenizer"),
+        "sft_model": os.path.join(cache_dir, "sft_model"),
+        "reward_model": os.path.join(cache_dir, "reward_model"),
+        "manifest": os.path.join(cache_dir, "manifest.json"),
+    }
+
+
+def _is_complete(cache_dir: str) -> bool:
+    manifest = _paths(cache_dir)["manifest"]
+    if not os.path.exists(manifest):
+        return False
+    with open(manifest) as f:
+        return json.load(f).get("task_version") == builtin_task.TASK_VERSION
+
+
+@contextlib.contextmanager
+def _lock(path: str):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def build_into(directory: str, seed: int = 0, sft: SFTSettings | None = None,
+               reward: RewardModelSettings | None = None) -> dict:
+    """Build tokenizer, SFT policy and proxy reward model into `directory` (no locking, no atomic rename).
+
+    Returns the manifest: task version, settings, metrics (SFT gold win-rate, RM accuracy) and timings."""
+    sft = sft or SFTSettings(seed=seed)
+    reward = reward or RewardModelSettings(seed=seed)
+    paths = _paths(directory)
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
+    tokenizer = build_tokenizer()
+    tokenizer.save_pretrained(paths["tokenizer"])
+
+    t = time.perf_counter()
+    policy = train_sft(sft, tokenizer)
+    policy.save_pretrained(paths["sft_model"])
+    tokenizer.save_pretrained(paths["sft_model"])
+    timings["sft_seconds"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    sft_eval = evaluate_policy(policy, None, num_prompts=256, seed=seed, tokenizer=tokenizer)
+    timings["sft_eval_seconds"] = time.perf_counter() - t
+    del policy
+
+    t = time.perf_counter()
+    reward_model, reward_metrics = train_reward_model(reward, paths["sft_model"], tokenizer)
+    reward_model.save_pretrained(paths["reward_model"])
+    tokenizer.save_pretrained(paths["reward_model"])
+    timings["reward_model_seconds"] = time.perf_counter() - t
+    timings["total_seconds"] = time.perf_counter() - start
+
+    manifest = {
+        "task_version": builtin_task.TASK_VERSION,
+        "seed": seed,
+        "sft_settings": asdict(sft),
+        "reward_model_settings": asdict(reward),
+        "sft_gold_win_rate": sft_eval["gold_win_rate"],
+        "sft_gold_reward": sft_eval["gold_reward"],
+        "reference_gold_reward": sft_eval["reference_gold_reward"],
+        "reward_model": reward_metrics,
+        "timings": timings,
+        "torch_threads": torch.get_num_threads(),
+    }
+    with open(paths["manifest"], "w") as f:
+        json.dump(manifest, f, indent=2)
+    return manifest
+
+
+def prepare_builtin(cache_dir: str | None = None, seed: int = 0) -> dict:
+    """Make sure the built-in task's tokenizer, SFT policy and proxy reward model exist; return their paths.
+
+    Returns {"cache_dir", "tokenizer", "sft_model", "reward_model", "manifest"}. Skips all work when a finished
+    cache of the current `TASK_VERSION` is there; otherwise builds it (a few minutes on two CPU cores)."""
+    cache_dir = os.path.abspath(cache_dir or default_cache_dir(seed))
+    paths = _paths(cache_dir)
+    if _is_complete(cache_dir):
+        return paths
+    with _lock(cache_dir.rstrip("/") + ".lock"):
+        if _is_complete(cache_dir):  # another process built it while we waited
+            return paths
+        logger.info("preparing the built-in task into %s (a few minutes on CPU)", cache_dir)
+        tmp = tempfile.mkdtemp(prefix=os.path.basename(cache_dir) + ".tmp-", dir=os.path.dirname(cache_dir))
+        try:
+            manifest = build_into(tmp, seed)
+            if os.path.exists(cache_dir):  # a stale or unfinished cache of this name: replace it
+                shutil.rmtree(cache_dir)
+            os.rename(tmp, cache_dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        logger.info("built-in task ready in %.0f s: SFT gold win-rate %.3f, reward model held-out accuracy %.3f",
+                    manifest["timings"]["total_seconds"], manifest["sft_gold_win_rate"],
+                    manifest["reward_model"]["eval_accuracy"])
+    return paths

@@ -25,6 +25,10 @@ for the KV cache, so on CPU we pass an explicit `kv_cache_memory_bytes` (which a
 CPU attention only supports head sizes 32, 64, 80, ..., 512, checked here before the engine starts because
 otherwise the failure only shows at the first `generate`.
 
+dtype: vLLM's "auto" runs a float32 checkpoint in bfloat16 (CPU and GPU alike). Pass dtype="float32" to sample
+from exactly the learner's fp32 policy: on the tiny model bf16 behaviour log-probs differ from the transformers
+forward by up to 3e-3, float32 ones by 5e-7.
+
 Weight updates: see `vllm_worker_extension.py` for why "shm" goes through the worker's `reload_weights`.
 "nccl" follows vLLM 0.32's own weight-transfer engine (`vllm/distributed/weight_transfer/nccl_engine.py`): the
 engine is built with `weight_transfer_config={"backend": "nccl"}`, the worker joins the learner's group once

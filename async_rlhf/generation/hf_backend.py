@@ -1,0 +1,91 @@
+"""The transformers generator backend: `model.generate` for machines without vLLM, and the reference in tests.
+
+Behaviour log-probs come from `output_scores`, which transformers records *after* its logits processors: with
+sampling that is temperature, then top-k, then top-p (filtered tokens at -inf), the same order as vLLM, so
+`log_softmax(scores)` is the distribution each token was drawn from. With temperature 0 the search is greedy, no
+warper runs, and the scores are the raw logits (vLLM returns the same in that case).
+
+Prompts are left-padded into one batch and each is repeated `n` times (rather than `num_return_sequences`, which
+greedy search refuses for n > 1). transformers keeps generating padding after a sequence's EOS until the whole
+batch is done; each completion is cut after its first EOS.
+"""
+
+from __future__ import annotations
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+from async_rlhf.types import Completion, SamplingSettings, WeightUpdate
+
+
+class HFBackend:
+    """Samples with a transformers causal LM held by this object. Uses (and seeds) torch's global RNG."""
+
+    name = "transformers"
+
+    def __init__(self, model_path: str, device: str = "cpu", seed: int = 0, dtype: str = "float32") -> None:
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        self.model.to(self.device).eval()
+        gen = self.model.generation_config
+        eos = gen.eos_token_id if gen.eos_token_id is not None else self.model.config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos])
+        self.pad_id = gen.pad_token_id if gen.pad_token_id is not None else min(self.eos_ids)
+        # SamplingSettings is the only source of sampling parameters. transformers would merge the checkpoint's
+        # own defaults (temperature, top_k, repetition_penalty, ...) into every call; vLLM would not.
+        self.model.generation_config = GenerationConfig(
+            bos_token_id=gen.bos_token_id, eos_token_id=sorted(self.eos_ids), pad_token_id=self.pad_id
+        )
+        torch.manual_seed(seed)
+
+    @torch.no_grad()
+    def generate(self, prompt_token_ids: list[list[int]], settings: SamplingSettings) -> list[list[Completion]]:
+        n = settings.n
+        width = max(len(p) for p in prompt_token_ids)
+        input_ids = torch.full((len(prompt_token_ids), width), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        for i, ids in enumerate(prompt_token_ids):  # left padding: every prompt ends at column `width`
+            input_ids[i, width - len(ids) :] = torch.tensor(ids)
+            attention_mask[i, width - len(ids) :] = 1
+        warpers = {}  # greedy: none (transformers warns about sampling flags without do_sample)
+        if settings.temperature > 0:
+            # top_k 0 means no top-k warper; left unset, transformers' legacy default of 50 could apply.
+            warpers = dict(temperature=settings.temperature, top_k=max(settings.top_k, 0), top_p=settings.top_p)
+        config = GenerationConfig(
+            max_new_tokens=settings.max_new_tokens,
+            do_sample=settings.temperature > 0,
+            pad_token_id=self.pad_id,
+            eos_token_id=sorted(self.eos_ids),
+            output_scores=True,
+            return_dict_in_generate=True,
+            **warpers,
+        )
+        if settings.seed is not None:
+            torch.manual_seed(settings.seed)
+        out = self.model.generate(
+            input_ids=input_ids.repeat_interleave(n, dim=0).to(self.device),
+            attention_mask=attention_mask.repeat_interleave(n, dim=0).to(self.device),
+            generation_config=config,
+        )
+        new_tokens = out.sequences[:, width:].cpu()  # [P*n, T]
+        scores = torch.stack(out.scores, dim=1).float().cpu()  # [P*n, T, V] processed logits
+        logprobs = scores.log_softmax(-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)  # [P*n, T]
+        flat = [self._completion(t.tolist(), lp.tolist(), settings) for t, lp in zip(new_tokens, logprobs)]
+        return [flat[p * n : (p + 1) * n] for p in range(len(prompt_token_ids))]
+
+    def _completion(self, tokens: list[int], logprobs: list[float], settings: SamplingSettings) -> Completion:
+        for i, tok in enumerate(tokens):
+            if tok in self.eos_ids:
+                return Completion(tokens[: i + 1], logprobs[: i + 1], "stop")
+        assert len(tokens) == settings.max_new_tokens, "generation ended early without EOS"
+        return Completion(tokens, logprobs, "length")
+
+    def load_weights(self, update: WeightUpdate) -> None:
+        """Copy every tensor of the learner's state dict into the model; names must match exactly."""
+        if update.transport != "shm":
+            raise NotImplementedError(f"HFBackend loads weights over 'shm' only, got {update.transport!r}")
+        self.model.load_state_dict(load_file(update.path, device=str(self.device)), strict=True)
+
+    def close(self) -> None:
+        self.model = None

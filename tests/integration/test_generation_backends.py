@@ -1,0 +1,197 @@
+"""The generator backends against the transformers forward pass: same greedy tokens, behaviour log-probs equal
+to log_softmax of the (tempered, top-k filtered) logits, weight swaps that take effect.
+
+One vLLM engine serves the whole module: importing vLLM and starting it costs 20-50 s on a small CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+from async_rlhf.generation import load_backend
+from async_rlhf.generation.hf_backend import HFBackend
+from async_rlhf.models import char_tokenizer, save_tiny_model, tiny_llama
+from async_rlhf.types import Completion, SamplingSettings, WeightUpdate
+
+EOS = 1  # char_tokenizer's <eos>
+PROMPTS = [[2, 40, 41, 42], [2, 50], [2, 60, 61, 62, 63, 64, 65]]  # different lengths: HF left-pads
+GREEDY = SamplingSettings(max_new_tokens=16, temperature=0.0, n=1)
+ATOL = 1e-4  # float32 on both sides; measured differences are ~5e-7
+
+
+@pytest.fixture(scope="module")
+def vllm_backend(tiny_model_dir):
+    pytest.importorskip("vllm")
+    from vllm.platforms import current_platform
+
+    from async_rlhf.generation.vllm_backend import VLLMBackend
+
+    device = "cpu" if current_platform.is_cpu() else "cuda"
+    backend = VLLMBackend(tiny_model_dir, device=device, dtype="float32", seed=0, kv_cache_memory_bytes=64 << 20)
+    yield backend
+    backend.close()
+    backend.close()  # idempotent
+
+
+@pytest.fixture(scope="module")
+def hf_backend(tiny_model_dir) -> HFBackend:
+    return HFBackend(tiny_model_dir, seed=0)
+
+
+@pytest.fixture(params=["vllm", "transformers"])
+def backend(request):
+    return request.getfixturevalue("vllm_backend" if request.param == "vllm" else "hf_backend")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def new_weights():
+    """(path in /dev/shm, transformers model) for a re-initialised policy with the same architecture."""
+    model = tiny_llama(char_tokenizer(), seed=1).eval()  # the architecture of `tiny_model_dir`
+    path = f"/dev/shm/async_rlhf_test_weights_{os.getpid()}.safetensors"
+    save_file(model.state_dict(), path)
+    yield path, model
+    os.unlink(path)
+
+
+@torch.no_grad()
+def reference_logprobs(model, prompt: list[int], completion: Completion, temperature=1.0, top_k=-1) -> torch.Tensor:
+    """[T] log-prob of each completion token under log_softmax(top_k(logits / temperature)), teacher-forced."""
+    ids = torch.tensor([prompt + completion.token_ids])
+    logits = model(ids).logits[0, len(prompt) - 1 : -1].float()  # [T, V]: position t predicts token t
+    if temperature > 0:
+        logits = logits / temperature
+    if top_k > 0:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return logits.log_softmax(-1).gather(-1, torch.tensor(completion.token_ids)[:, None])[:, 0]
+
+
+@torch.no_grad()
+def reference_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(max_new_tokens):
+        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        if ids[-1] == EOS:
+            break
+    return ids[len(prompt) :]
+
+
+def tokens(result: list[list[Completion]]) -> list[list[list[int]]]:
+    return [[c.token_ids for c in group] for group in result]
+
+
+def test_greedy_matches_transformers(vllm_backend, hf_backend, reference):
+    from_vllm = vllm_backend.generate(PROMPTS, GREEDY)
+    from_hf = hf_backend.generate(PROMPTS, GREEDY)
+    assert tokens(from_vllm) == tokens(from_hf)
+    for prompt, (completion,) in zip(PROMPTS, from_vllm):
+        assert completion.token_ids == reference_greedy(reference, prompt, GREEDY.max_new_tokens)
+        # At temperature 0 both backends report the raw distribution's log-probs.
+        expected = reference_logprobs(reference, prompt, completion)
+        torch.testing.assert_close(torch.tensor(completion.logprobs), expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("temperature,top_k", [(1.0, -1), (0.7, 5)])
+def test_behaviour_logprobs_match_forward(backend, reference, temperature, top_k):
+    settings = SamplingSettings(max_new_tokens=12, temperature=temperature, top_k=top_k, n=4, seed=7)
+    prompts = PROMPTS[:2]
+    result = backend.generate(prompts, settings)
+    for prompt, group in zip(prompts, result, strict=True):
+        for completion in group:
+            expected = reference_logprobs(reference, prompt, completion, temperature, top_k)
+            # Finite: every sampled token survived the top-k filter.
+            assert torch.isfinite(expected).all()
+            torch.testing.assert_close(torch.tensor(completion.logprobs), expected, atol=ATOL, rtol=0)
+
+
+def test_n_completions_and_finish_reasons(backend):
+    # The random tiny model gives EOS ~1/104 per token: over 48 x 24 tokens both finish reasons occur.
+    settings = SamplingSettings(max_new_tokens=24, temperature=1.0, n=16, seed=1)
+    result = backend.generate(PROMPTS, settings)
+    assert [len(group) for group in result] == [16, 16, 16]
+    reasons = set()
+    for group in result:
+        assert len({tuple(c.token_ids) for c in group}) > 1, "n samples of one prompt are all identical"
+        for c in group:
+            assert len(c.token_ids) == len(c.logprobs) > 0
+            if c.finish_reason == "stop":
+                assert c.token_ids[-1] == EOS and EOS not in c.token_ids[:-1]
+                assert len(c.token_ids) <= settings.max_new_tokens
+            else:
+                assert c.finish_reason == "length"
+                assert len(c.token_ids) == settings.max_new_tokens and EOS not in c.token_ids
+            reasons.add(c.finish_reason)
+    assert reasons == {"stop", "length"}
+
+
+def test_vllm_seed_reproduces_samples(vllm_backend):
+    settings = SamplingSettings(max_new_tokens=8, temperature=1.0, n=3, seed=3)
+    first = tokens(vllm_backend.generate(PROMPTS, settings))
+    assert tokens(vllm_backend.generate(PROMPTS, settings)) == first
+    other = SamplingSettings(max_new_tokens=8, temperature=1.0, n=3, seed=4)
+    assert tokens(vllm_backend.generate(PROMPTS, other)) != first
+
+
+def test_load_weights_switches_policy(vllm_backend, hf_backend, tiny_model_dir, new_weights):
+    path, new_model = new_weights
+    # The long prompt fills whole KV blocks, which vLLM's prefix cache keeps: stale after a weight swap.
+    prompts = PROMPTS + [[2] + [10 + i % 90 for i in range(199)]]
+    before = tokens(vllm_backend.generate(prompts, GREEDY))
+    update = WeightUpdate(version=1, transport="shm", path=path)
+    try:
+        vllm_backend.load_weights(update)
+        hf_backend.load_weights(update)
+        after = tokens(vllm_backend.generate(prompts, GREEDY))
+        assert after != before
+        assert after == tokens(hf_backend.generate(prompts, GREEDY))
+        assert after == [[reference_greedy(new_model, p, GREEDY.max_new_tokens)] for p in prompts]
+    finally:  # the module's backends are shared: put the original policy back
+        original = WeightUpdate(version=2, transport="shm", path=os.path.join(tiny_model_dir, "model.safetensors"))
+        vllm_backend.load_weights(original)
+        hf_backend.load_weights(original)
+    assert tokens(vllm_backend.generate(prompts, GREEDY)) == before
+    assert tokens(hf_backend.generate(prompts, GREEDY)) == before
+
+
+def test_load_weights_rejects_other_transports(vllm_backend, hf_backend):
+    with pytest.raises(ValueError, match="unknown weight transport"):
+        vllm_backend.load_weights(WeightUpdate(version=1, transport="carrier-pigeon"))
+    with pytest.raises(NotImplementedError):
+        hf_backend.load_weights(WeightUpdate(version=1, transport="nccl", names=["lm_head.weight"]))
+    if vllm_backend.device == "cpu":
+        with pytest.raises(NotImplementedError, match="CUDA"):
+            vllm_backend.load_weights(WeightUpdate(version=1, transport="nccl", names=["lm_head.weight"]))
+
+
+def test_vllm_rejects_unsupported_cpu_head_size(tmp_path):
+    pytest.importorskip("vllm")
+    from vllm.platforms import current_platform
+
+    from async_rlhf.generation.vllm_backend import VLLMBackend
+
+    if not current_platform.is_cpu():
+        pytest.skip("CPU attention limit")
+    path = save_tiny_model(str(tmp_path), num_heads=4)  # 64 / 4: head size 16, which CPU attention lacks
+    with pytest.raises(ValueError, match="head_dim=16"):
+        VLLMBackend(path)  # checked before the engine starts, so no second engine in this process
+
+
+def test_load_backend(tiny_model_dir, monkeypatch):
+    backend = load_backend("transformers", tiny_model_dir, seed=0, dtype="float32")
+    assert isinstance(backend, HFBackend) and backend.name == "transformers"
+    with pytest.raises(ValueError, match="vllm, transformers"):
+        load_backend("sglang", tiny_model_dir)
+    monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` fail, as on a machine without it
+    with pytest.raises(ImportError, match='generator_backend="transformers"'):
+        load_backend("vllm", tiny_model_dir)
