@@ -1,0 +1,87 @@
+"""The run never hangs and never leaves a generator behind: on errors, on SIGTERM, on a generator that fails."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+from datasets import Dataset
+
+from async_rlhf import AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer
+from async_rlhf.generation.pool import GeneratorFailed
+from async_rlhf.scoring import RewardError
+from async_rlhf.toy_task import toy_prompts
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def generator_processes() -> list[psutil.Process]:
+    return [p for p in psutil.Process().children(recursive=True) if "multiprocessing" in " ".join(p.cmdline())]
+
+
+def config(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2, max_new_tokens=6,
+                max_length=48, generator_backend="transformers", disable_tqdm=True, generator_start_timeout=120,
+                rollout_timeout=120)
+    return AsyncOnlineDPOConfig(**{**base, **kw})
+
+
+def failing_reward(prompts, completions, **kw):
+    return [float("nan")] * len(completions)
+
+
+def test_reward_error_stops_the_run_and_the_generators(tmp_path, tiny_model_dir):
+    trainer = AsyncOnlineDPOTrainer(tiny_model_dir, reward_funcs=failing_reward, args=config(tmp_path),
+                                    train_dataset=toy_prompts(16))
+    with pytest.raises(RewardError, match="'failing_reward' returned nan for prompt id"):
+        trainer.train()
+    deadline = time.monotonic() + 10
+    while generator_processes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not generator_processes()
+
+
+def test_generator_that_cannot_start_is_reported_with_its_error(tmp_path, tiny_model_dir):
+    # a model directory without weights: the generator's engine fails to load it
+    broken = tmp_path / "broken_model"
+    broken.mkdir()
+    (broken / "config.json").write_text(open(os.path.join(tiny_model_dir, "config.json")).read())
+    trainer = AsyncOnlineDPOTrainer(tiny_model_dir, reward_funcs=failing_reward, args=config(tmp_path),
+                                    train_dataset=toy_prompts(16))
+    trainer._source_model_path = str(broken)  # the generators start from this directory
+    t0 = time.monotonic()
+    with pytest.raises(GeneratorFailed, match="generator 0 failed to start"):
+        trainer.train()
+    assert time.monotonic() - t0 < 60
+    assert not generator_processes()
+
+
+def test_sigterm_mid_run_exits_promptly_and_leaves_no_process(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, os.path.join(ROOT, "recipes/online_dpo.py"), "--task", "toy", "--output_dir", str(out),
+           "--max_steps", "100000", "--generator_backend", "transformers", "--per_device_train_batch_size", "2",
+           "--max_new_tokens", "6", "--max_length", "48", "--disable_tqdm", "true"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "WANDB_MODE": "disabled"})
+    try:
+        deadline = time.monotonic() + 180
+        while not (out / "metrics.jsonl").exists():
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            assert time.monotonic() < deadline, "the run never logged a step"
+            time.sleep(0.5)
+        family = psutil.Process(proc.pid).children(recursive=True)
+        assert family, "expected a generator process"
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    time.sleep(1.0)
+    alive = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"left alive: {[p.cmdline() for p in alive]}"
+    assert proc.returncode != 0
