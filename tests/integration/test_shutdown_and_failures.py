@@ -21,7 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def generator_processes() -> list[psutil.Process]:
-    return [p for p in psutil.Process().children(recursive=True) if "multiprocessing" in " ".join(p.cmdline())]
+    """Spawned generator processes (not the resource tracker, which lives as long as the test process)."""
+    return [p for p in psutil.Process().children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
 
 
 def config(tmp_path, **kw):
