@@ -10,6 +10,12 @@ _EXPORTS = {
     "AsyncOnlineDPOTrainer": "async_rlhf.trainers.online_dpo",
     "AsyncOnlineDPOConfig": "async_rlhf.config",
     "AsyncRLConfig": "async_rlhf.config",
+    "AsyncRLOOTrainer": "async_rlhf.trainers.rloo",
+    "AsyncRLOOConfig": "async_rlhf.config",
+    "AsyncPPOTrainer": "async_rlhf.trainers.ppo",
+    "AsyncPPOConfig": "async_rlhf.config",
+    "AsyncBestOfNTrainer": "async_rlhf.trainers.best_of_n",
+    "AsyncBestOfNConfig": "async_rlhf.config",
 }
 
 

@@ -112,6 +112,7 @@ class AsyncRLConfig(TrainingArguments):
     )
     disable_dropout: bool = field(default=True, metadata={"help": "Disable dropout in the policy and reference."})
     model_init_kwargs: dict | None = field(default=None, metadata={"help": "kwargs for from_pretrained."})
+    min_generations = 2  # class constant (not a field): pairs / leave-one-out need two samples per prompt
     # ---- TrainingArguments defaults that differ (CPU-sized, nothing phones home) -----------------------------
     remove_unused_columns: bool = False
     logging_steps: float = 1
@@ -151,7 +152,8 @@ class AsyncRLConfig(TrainingArguments):
         for dev in self.generator_devices:
             _require(dev == "cpu" or (dev.startswith("cuda:") and dev[5:].isdigit()), "generator_devices",
                      f"{dev!r} is not 'cpu' or 'cuda:<index>'")
-        _require(self.num_generations >= 2, "num_generations", f"must be >= 2, got {self.num_generations}")
+        _require(self.num_generations >= self.min_generations, "num_generations",
+                 f"must be >= {self.min_generations} for {type(self).__name__}, got {self.num_generations}")
         _require(self.max_new_tokens >= 1, "max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
         _require(self.max_new_tokens < self.max_length, "max_new_tokens",
                  f"max_new_tokens={self.max_new_tokens} must be < max_length={self.max_length} (prompt needs room)")
@@ -207,3 +209,66 @@ def check_known_fields(config_cls: type, values: dict, source: str) -> None:
             close = difflib.get_close_matches(key, known, n=3)
             hints.append(f"{key!r}" + (f" (did you mean {', '.join(close)}?)" if close else ""))
         raise ConfigError(f"{source}: unknown field(s) {', '.join(hints)}")
+
+
+OFF_POLICY_CORRECTIONS = ("none", "tis", "decoupled")
+
+
+@dataclass
+class AsyncPolicyGradientConfig(AsyncRLConfig):
+    """Fields shared by the policy-gradient learners (RLOO, PPO). Names follow TRL's RLOOConfig."""
+
+    learning_rate: float = field(default=1e-6, metadata={"help": "AdamW learning rate (TRL RLOO default)."})
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature; log-probs use the same."})
+    beta: float = field(default=0.05, metadata={"help": "KL coefficient: reward = score - beta * sum(log pi - "
+                                                        "log pi_ref)."})
+    epsilon: float = field(default=0.2, metadata={"help": "PPO clip range of the probability ratio."})
+    max_completion_length: int | None = field(default=None, metadata={"help": "TRL's name for max_new_tokens; "
+                                                                               "overrides it when set."})
+    off_policy_correction: str = field(
+        default="none",
+        metadata={"help": "Stale-sample handling: 'none' (clip the ratio against the generator's behaviour "
+                  "log-probs), 'tis' (truncated importance weights min(pi_prox/mu, is_cap) with the ratio "
+                  "against the proximal policy = learner weights before the update) or 'decoupled' (the "
+                  "decoupled PPO objective, Hilton et al. 2021; tokens with weight above is_cap are dropped)."},
+    )
+    is_cap: float = field(default=2.0, metadata={"help": "Cap of the importance weights ('tis', 'decoupled')."})
+
+    def __post_init__(self):
+        if self.max_completion_length is not None:
+            self.max_new_tokens = self.max_completion_length
+        _require(self.beta >= 0, "beta", f"must be >= 0, got {self.beta}")
+        _require(0 < self.epsilon < 1, "epsilon", f"must be in (0, 1), got {self.epsilon}")
+        _require(self.off_policy_correction in OFF_POLICY_CORRECTIONS, "off_policy_correction",
+                 f"{self.off_policy_correction!r} is not one of {OFF_POLICY_CORRECTIONS}")
+        _require(self.is_cap > 1, "is_cap", f"must be > 1, got {self.is_cap}")
+        super().__post_init__()
+
+
+@dataclass
+class AsyncRLOOConfig(AsyncPolicyGradientConfig):
+    """RLOO (Ahmadian et al. 2024) on the asynchronous pipeline; k = num_generations samples per prompt."""
+
+    normalize_advantages: bool = field(default=False, metadata={"help": "Whiten advantages over the batch."})
+
+
+@dataclass
+class AsyncPPOConfig(AsyncPolicyGradientConfig):
+    """PPO with a learned critic and GAE, as TRL's former PPOv2 (which the paper used)."""
+
+    num_generations: int = field(default=1, metadata={"help": "Completions per prompt (PPO needs only 1)."})
+    gamma: float = field(default=1.0, metadata={"help": "Discount factor."})
+    lam: float = field(default=0.95, metadata={"help": "GAE lambda."})
+    vf_coef: float = field(default=0.1, metadata={"help": "Weight of the value loss."})
+    cliprange_value: float = field(default=0.2, metadata={"help": "Clip range of the value update."})
+    whiten_advantages: bool = field(default=True, metadata={"help": "Whiten advantages over the batch."})
+
+    min_generations = 1  # a critic is the baseline: one completion per prompt suffices
+
+
+@dataclass
+class AsyncBestOfNConfig(AsyncRLConfig):
+    """Best-of-N SFT (the paper's Best-of-2): negative log-likelihood on the highest-scored of N samples."""
+
+    learning_rate: float = field(default=1e-5, metadata={"help": "AdamW learning rate."})
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature."})

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from async_rlhf.types import Completion
+
 
 def pack_sequences(prompts: list[list[int]], completions: list[list[int]], pad_id: int, max_length: int):
     """Right-padded prompt+completion sequences. Prompts are cut from the left when the pair exceeds max_length.
@@ -27,19 +29,47 @@ def pack_sequences(prompts: list[list[int]], completions: list[list[int]], pad_i
     return input_ids, attention, comp
 
 
-def token_logps(model, input_ids, attention_mask, completion_mask, temperature: float = 1.0):
-    """Log-prob of each completion token given everything before it.
+def token_logps(model, input_ids, attention_mask, completion_mask, temperature: float = 1.0,
+                drift_temperature: float | None = None):
+    """Log-prob of each completion token given everything before it, from logits / `temperature`.
 
-    Returns (logps [B, L-1], mask [B, L-1], logps_at_temperature [B, L-1] or None). Position t scores token t+1.
-    The temperature variant (logits / T) is what a sampler at temperature T used: comparing it with the
-    generator's behaviour log-probs measures off-policy drift.
+    Returns (logps [B, L-1], mask [B, L-1], drift_logps [B, L-1] or None). Position t scores token t+1; padding
+    and prompt positions are 0. `drift_logps` (no gradient) uses logits / `drift_temperature`: the distribution a
+    sampler at that temperature used, to compare with the generator's behaviour log-probs.
     """
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
     targets = input_ids[:, 1:].unsqueeze(-1)
-    logps = torch.gather(logits.log_softmax(-1), 2, targets).squeeze(-1)
-    tempered = None
-    if temperature not in (0.0, 1.0):
-        with torch.no_grad():
-            tempered = torch.gather((logits.detach() / temperature).log_softmax(-1), 2, targets).squeeze(-1)
+    scaled = logits / temperature if temperature not in (0.0, 1.0) else logits
+    logps = torch.gather(scaled.log_softmax(-1), 2, targets).squeeze(-1)
     mask = completion_mask[:, 1:].to(logps.dtype)
-    return logps * mask, mask, (tempered * mask if tempered is not None else None)
+    drift = None
+    if drift_temperature is not None:
+        if drift_temperature in (0.0, temperature) or (drift_temperature == 1.0 and temperature in (0.0, 1.0)):
+            drift = logps.detach()
+        else:
+            with torch.no_grad():
+                drift = torch.gather((logits.detach() / drift_temperature).log_softmax(-1), 2, targets).squeeze(-1)
+        drift = drift * mask
+    return logps * mask, mask, drift
+
+
+def behaviour_logps(completions: list[Completion], mask: torch.Tensor) -> torch.Tensor:
+    """The generator's log-prob of each sampled token, placed where `mask` marks that row's completion tokens."""
+    out = torch.zeros_like(mask)
+    for row, c in enumerate(completions):
+        pos = mask[row].nonzero().squeeze(-1)
+        n = min(len(pos), len(c.logprobs))
+        out[row, pos[:n]] = torch.tensor(c.logprobs[len(c.logprobs) - n:], dtype=out.dtype, device=out.device)
+    return out
+
+
+def completion_batch(groups, pad_id: int, max_length: int, device, select=None):
+    """Pack the completions of `groups` (all, or the (group, completion) pairs in `select`) with their prompts.
+
+    Returns (input_ids, attention_mask, completion_mask, completions), tensors on `device`.
+    """
+    pairs = select if select is not None else [(g, i) for g, grp in enumerate(groups) for i in range(len(grp.completions))]
+    prompts = [groups[g].prompt_token_ids for g, _ in pairs]
+    completions = [groups[g].completions[i] for g, i in pairs]
+    ids, attn, comp = pack_sequences(prompts, [c.token_ids for c in completions], pad_id, max_length)
+    return ids.to(device), attn.to(device), comp.to(device), completions

@@ -12,8 +12,8 @@ Columns (median of --repeats runs after one warm-up; GB/s = state-dict bytes / s
 
 Each size runs in its own subprocess (vLLM reads its environment once per process, so one engine per process)
 with OMP_NUM_THREADS=--threads. On a busy machine more torch threads than free cores makes every parallel
-`copy_` wait for a descheduled thread: on our shared 2-core box a 42 MB `load_state_dict` took 1.1 s with 2
-threads and 0.015 s with 1. Models are random-init Llamas built from a config (no hub) with the char tokenizer.
+`copy_` wait for a descheduled thread: on our shared 2-core box at load average 5, a 42 MB `load_state_dict`
+took 1.1 s with 2 threads and 0.015 s with 1. Models are random-init Llamas built from a config (no hub) with the char tokenizer.
 """
 
 from __future__ import annotations
@@ -74,13 +74,14 @@ def measure(size: str, repeats: int) -> dict:
         try:
             save_s = median_seconds(lambda: save_file(state, shm_path), repeats)
             update = WeightUpdate(version=1, transport="shm", path=shm_path, num_bytes=num_bytes)
+            rpc = vllm.llm.collective_rpc
             row = dict(
                 size=size,
                 params=sum(t.numel() for t in state.values()),
                 mb=num_bytes / 1e6,
                 save=save_s,
                 vllm=median_seconds(lambda: vllm.load_weights(update), repeats),
-                vllm_file=median_seconds(lambda: vllm.llm.collective_rpc(load_via_load_file, args=(shm_path,)), repeats),
+                vllm_file=median_seconds(lambda: rpc(load_via_load_file, args=(shm_path,)), repeats),
                 hf=median_seconds(lambda: hf.load_weights(update), repeats),
             )
         finally:

@@ -11,65 +11,15 @@ Set-up (task, models, data, reward), train on the asynchronous pipeline, save, e
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-from dataclasses import dataclass, field
 
 if __package__ in (None, ""):  # `python recipes/online_dpo.py` from a checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from async_rlhf.cli import parse_args
-from async_rlhf.config import AsyncOnlineDPOConfig, ConfigError
-
-
-@dataclass
-class ScriptArguments:
-    task: str = field(default="builtin", metadata={"help": "'builtin' (the shipped miniature TL;DR task), 'toy' "
-                                                          "(random model, letter reward: seconds) or 'hub'."})
-    model_name_or_path: str | None = field(default=None, metadata={"help": "Policy (default: the task's SFT model)."})
-    dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset or local file (task 'hub')."})
-    dataset_config: str | None = field(default=None, metadata={"help": "Dataset config name."})
-    dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
-    reward: str = field(default="proxy", metadata={"help": "builtin task: 'proxy' (trained reward model, as the "
-                                                           "paper) or 'gold' (the programmatic gold reward)."})
-    eval_prompts: int = field(default=128, metadata={"help": "Held-out prompts for the final gold evaluation "
-                                                             "(builtin task; 0 skips it)."})
-
-
-def setup_task(script: ScriptArguments, config: AsyncOnlineDPOConfig):
-    """Returns (model, reward_funcs, train_dataset, eval_fn or None)."""
-    if script.task == "toy":
-        from async_rlhf.models import save_tiny_model
-        from async_rlhf.toy_task import lowercase_reward, toy_prompts
-
-        path = script.model_name_or_path or os.path.join(config.output_dir, "init_model")
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            save_tiny_model(path)
-        return path, lowercase_reward, toy_prompts(256, config.seed), None
-    if script.task == "builtin":
-        from async_rlhf.data.builtin_task import gold_reward, make_splits
-        from async_rlhf.data.prepare import prepare_builtin
-
-        paths = prepare_builtin(seed=0)
-        splits = make_splits(seed=0)
-        reward = gold_reward if script.reward == "gold" else (config.reward_model_path or paths["reward_model"])
-        model = script.model_name_or_path or paths["sft_model"]
-
-        def evaluate(model_dir):
-            from async_rlhf.evaluation import evaluate_policy
-
-            return evaluate_policy(model_dir, paths["sft_model"], num_prompts=script.eval_prompts, seed=0)
-
-        return model, reward, splits["train"], (evaluate if script.eval_prompts > 0 else None)
-    if script.task == "hub":
-        from datasets import load_dataset
-
-        if not (script.model_name_or_path and script.dataset_name and config.reward_model_path):
-            raise ConfigError("task 'hub' needs --model_name_or_path, --dataset_name and --reward_model_path")
-        data = load_dataset(script.dataset_name, script.dataset_config, split=script.dataset_train_split)
-        return script.model_name_or_path, config.reward_model_path, data, None
-    raise ConfigError(f"task: {script.task!r} is not one of 'builtin', 'toy', 'hub'")
+from async_rlhf.config import AsyncOnlineDPOConfig
+from async_rlhf.tasks import ScriptArguments, save_and_evaluate, setup_task
 
 
 def main(argv: list[str]) -> None:
@@ -80,12 +30,7 @@ def main(argv: list[str]) -> None:
         model, reward, train_dataset, evaluate = setup_task(script, config)
     trainer = AsyncOnlineDPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=train_dataset)
     trainer.train()
-    trainer.save_model(config.output_dir)
-    if evaluate is not None and trainer.accelerator.is_main_process:
-        results = evaluate(config.output_dir)
-        print("final evaluation:", json.dumps(results, indent=2))
-        with open(os.path.join(config.output_dir, "eval_results.json"), "w") as f:
-            json.dump(results, f, indent=2)
+    save_and_evaluate(trainer, evaluate, config.output_dir)
 
 
 if __name__ == "__main__":

@@ -40,9 +40,13 @@ from __future__ import annotations
 
 import gc
 import os
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 from async_rlhf.types import Completion, SamplingSettings, WeightUpdate
+
+if TYPE_CHECKING:
+    from vllm import LLM
+    from vllm.outputs import CompletionOutput
 
 EXTENSION = "async_rlhf.generation.vllm_worker_extension.WeightSyncExtension"
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: enough for thousands of short sequences of a small model
@@ -81,8 +85,8 @@ class VLLMBackend:
             _check_cpu_head_size(model_path)
             kv_cache_memory_bytes = kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
         self.device = device
-        self.model_path = model_path
         self._nccl_ready = False
+        self._params = _state_dict_meta(model_path)
         self._llm: LLM | None = LLM(
             model=model_path,
             seed=seed,
@@ -99,7 +103,7 @@ class VLLMBackend:
         )
 
     @property
-    def llm(self):
+    def llm(self) -> LLM:
         if self._llm is None:
             raise RuntimeError("VLLMBackend is closed")
         return self._llm
@@ -132,6 +136,10 @@ class VLLMBackend:
 
     def load_weights(self, update: WeightUpdate) -> None:
         if update.transport == "shm":
+            from safetensors import safe_open
+
+            with safe_open(update.path, framework="pt") as f:  # reads the header only
+                self._check_names(list(f.keys()))
             self.llm.collective_rpc("load_safetensors_weights", args=(update.path,))
         elif update.transport == "nccl":
             self._receive_nccl(update)
@@ -139,6 +147,15 @@ class VLLMBackend:
             raise ValueError(f"unknown weight transport {update.transport!r}; expected 'shm' or 'nccl'")
         # Cached prefix blocks hold keys/values computed by the old weights.
         self.llm.reset_prefix_cache()
+
+    def _check_names(self, names: list[str]) -> None:
+        """Demand exactly the names of the transformers model's `state_dict()`, like `load_state_dict(strict=True)`.
+
+        vLLM itself does not: a tensor missing from the update leaves its layer half-reloaded and the policy
+        silently garbled (measured: greedy output turned into a run of token 0)."""
+        missing, unexpected = self._params.keys() - set(names), set(names) - self._params.keys()
+        if missing or unexpected:
+            raise ValueError(f"weight update names differ: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
 
     def init_nccl_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int) -> None:
         """Join the learner's NCCL group (GPU only). The learner is rank 0 and must open its end at the same time
@@ -158,16 +175,16 @@ class VLLMBackend:
         """Receive `update.names` by NCCL broadcast from rank 0 and load them (untested here: no GPU).
 
         The worker allocates each receive buffer from a dtype and shape; `WeightUpdate` carries names only, so
-        they are taken from the checkpoint at `model_path` (the learner must broadcast in those dtypes).
+        they come from the model's config (the learner must broadcast in the checkpoint's dtype).
         """
         self._require_cuda("nccl weight transport")
         if not self._nccl_ready:
             raise RuntimeError("call init_nccl_group(...) before loading weights over nccl")
-        meta = _checkpoint_meta(self.model_path)
+        self._check_names(update.names)
         update_info = {
             "names": list(update.names),
-            "dtype_names": [meta[n][0] for n in update.names],
-            "shapes": [meta[n][1] for n in update.names],
+            "dtype_names": [self._params[n][0] for n in update.names],
+            "shapes": [self._params[n][1] for n in update.names],
         }
         self.llm.collective_rpc("start_weight_update")
         self.llm.collective_rpc("update_weights", kwargs={"update_info": update_info})
@@ -188,7 +205,7 @@ class VLLMBackend:
         gc.collect()
 
 
-def _completion(output) -> Completion:
+def _completion(output: CompletionOutput) -> Completion:
     """vLLM `CompletionOutput` -> `Completion`; `logprobs` holds one {token: Logprob} dict per sampled token."""
     if output.finish_reason not in ("stop", "length"):
         raise RuntimeError(f"vLLM finished a sequence with {output.finish_reason!r}")
@@ -211,17 +228,13 @@ def _check_cpu_head_size(model_path: str) -> None:
         )
 
 
-def _checkpoint_meta(model_path: str) -> dict[str, tuple[str, list[int]]]:
-    """{HF parameter name: (torch dtype name, shape)} read from the safetensors headers under `model_path`."""
-    from safetensors import safe_open
+def _state_dict_meta(model_path: str) -> dict[str, tuple[str, list[int]]]:
+    """{name: (dtype name, shape)} of the transformers model's `state_dict()`, which is what the learner saves.
+    Built on the meta device from the config alone, so it costs no memory and works for hub ids too."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    dtypes = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
-    meta: dict[str, tuple[str, list[int]]] = {}
-    for file in sorted(Path(model_path).glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                info = f.get_slice(name)
-                meta[name] = (dtypes[info.get_dtype()], list(info.get_shape()))
-    if not meta:
-        raise FileNotFoundError(f"no *.safetensors files under {model_path}")
-    return meta
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(config, "dtype", None) or torch.float32)
+    return {n: (str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in model.state_dict().items()}

@@ -9,7 +9,13 @@ some layers (the linear weights are repacked for its kernels and lose their `wei
 `model.load_weights` fails with `'Parameter' object has no attribute 'weight_loader'`. The worker's
 `reload_weights` runs vLLM's layerwise reload: it restores each layer's checkpoint-format parameters, loads
 the HF-named tensors (fusing q/k/v and gate/up as at start-up), re-runs the post-processing and copies the
-result into the tensors the kernels already point at. It works on CPU and GPU alike.
+result into the tensors the kernels already point at. It works on CPU and GPU alike. Copying HF tensors straight
+into vLLM's parameters would not: on CPU the linear kernels keep their own repacked copy of each weight.
+
+Cost (benchmarks/weight_load.py, 2 shared cores): a 100M-parameter fp32 model (416 MB) reloads in 0.25-0.45 s,
+1-1.7 GB/s against 4.5-11 GB/s for a bare `copy_` of the same bytes; the time goes to the layerwise
+re-processing, not to reading the file. Reading through `safe_open` (memory-mapped) rather than `load_file`
+takes about the same time but never holds a second full copy of the state dict.
 """
 
 from __future__ import annotations
@@ -46,8 +52,3 @@ class WeightSyncExtension:
 
         self.reload_weights(weights_iterator=counted())  # type: ignore[attr-defined]
         return count
-
-    def weight_checksum(self) -> float:
-        """Sum of every parameter of the running model: lets a caller see that a load took effect."""
-        model = self.model_runner.get_model()  # type: ignore[attr-defined]
-        return float(sum(p.detach().double().sum().item() for p in model.parameters()))

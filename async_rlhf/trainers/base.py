@@ -48,6 +48,7 @@ class _PipelineHooks(TrainerCallback):
         self.trainer = trainer
 
     def on_step_end(self, args, state, control, **kwargs):
+        self.trainer.after_optimizer_step()
         self.trainer.pipeline.after_optimizer_step(self.trainer.model, state.global_step)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -204,6 +205,10 @@ class AsyncTrainerBase(Trainer):
     # ---- the algorithm hook --------------------------------------------------------------------------------
     def compute_rollout_loss(self, model, groups: list[ScoredGroup]) -> tuple[torch.Tensor, dict[str, float]]:
         raise NotImplementedError
+
+    def after_optimizer_step(self) -> None:
+        """Called on every rank right after each policy optimizer step, before the weight sync (PPO steps its
+        critic here)."""
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         model.train()

@@ -13,7 +13,7 @@ import math
 import torch
 
 from async_rlhf.config import AsyncOnlineDPOConfig
-from async_rlhf.logprobs import pack_sequences, token_logps
+from async_rlhf.logprobs import behaviour_logps, completion_batch, token_logps
 from async_rlhf.losses.dpo import dpo_loss
 from async_rlhf.losses.off_policy import log_ratio_stats
 from async_rlhf.trainers.base import AsyncTrainerBase
@@ -36,16 +36,6 @@ def select_pairs(groups: list[ScoredGroup]) -> tuple[list[tuple[int, int, int]],
     return pairs, skipped
 
 
-def _behaviour_logps(completions, mask: torch.Tensor) -> torch.Tensor:
-    """Place each completion's generator log-probs on the positions where `mask` marks its tokens."""
-    out = torch.zeros_like(mask)
-    for row, c in enumerate(completions):
-        pos = mask[row].nonzero().squeeze(-1)
-        n = min(len(pos), len(c.logprobs))
-        out[row, pos[:n]] = torch.tensor(c.logprobs[len(c.logprobs) - n:], dtype=out.dtype)
-    return out
-
-
 class AsyncOnlineDPOTrainer(AsyncTrainerBase):
     config_class = AsyncOnlineDPOConfig
     _tag_names = ["async_rlhf", "online-dpo"]
@@ -54,14 +44,11 @@ class AsyncOnlineDPOTrainer(AsyncTrainerBase):
         a = self.args
         pairs, skipped = select_pairs(groups)
         used = pairs or [(g, 0, 1) for g in range(len(groups))]  # keep the graph (DDP) even with no pairs
-        prompts = [groups[g].prompt_token_ids for g, _, _ in used] * 2
-        completions = ([groups[g].completions[c] for g, c, _ in used]
-                       + [groups[g].completions[r] for g, _, r in used])
-        input_ids, attention, comp_mask = pack_sequences(
-            prompts, [c.token_ids for c in completions], self.processing_class.pad_token_id, a.max_length)
-        device = self.accelerator.device
-        input_ids, attention, comp_mask = input_ids.to(device), attention.to(device), comp_mask.to(device)
-        logps, mask, tempered = token_logps(model, input_ids, attention, comp_mask, a.temperature)
+        select = [(g, c) for g, c, _ in used] + [(g, r) for g, _, r in used]  # chosen rows, then rejected rows
+        input_ids, attention, comp_mask, completions = completion_batch(
+            groups, self.processing_class.pad_token_id, a.max_length, self.accelerator.device, select)
+        logps, mask, drift_logps = token_logps(model, input_ids, attention, comp_mask,
+                                               drift_temperature=a.temperature)
         with torch.no_grad():
             ref_logps, _, _ = token_logps(self.ref_model, input_ids, attention, comp_mask)
         seq, ref_seq = logps.sum(-1), ref_logps.sum(-1)
@@ -85,10 +72,9 @@ class AsyncOnlineDPOTrainer(AsyncTrainerBase):
             "learner/skipped_groups": float(skipped),
             "beta": beta,
         })
-        behaviour = _behaviour_logps(completions, mask)
-        learner = tempered if tempered is not None else logps.detach()
+        behaviour = behaviour_logps(completions, mask)
         for part, rows in (("chosen", slice(0, n)), ("rejected", slice(n, 2 * n))):
-            drift = log_ratio_stats(learner[rows], behaviour[rows], mask[rows])
+            drift = log_ratio_stats(drift_logps[rows], behaviour[rows], mask[rows])
             for k in ("log_ratio_mean", "log_ratio_abs_max", "is_weight_mean", "kl"):
                 metrics[f"off_policy/{part}_{k}"] = float(drift[k])
         return loss, metrics

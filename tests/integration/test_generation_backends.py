@@ -164,7 +164,14 @@ def test_load_weights_switches_policy(vllm_backend, hf_backend, tiny_model_dir, 
     assert tokens(hf_backend.generate(prompts, GREEDY)) == before
 
 
-def test_load_weights_rejects_other_transports(vllm_backend, hf_backend):
+def test_load_weights_rejects_bad_updates(vllm_backend, hf_backend, new_weights, tmp_path):
+    partial = {k: v for k, v in new_weights[1].state_dict().items() if k != "model.layers.0.mlp.up_proj.weight"}
+    save_file(partial, str(tmp_path / "partial.safetensors"))
+    update = WeightUpdate(version=1, transport="shm", path=str(tmp_path / "partial.safetensors"))
+    with pytest.raises(ValueError, match="missing .'model.layers.0.mlp.up_proj.weight'."):
+        vllm_backend.load_weights(update)
+    with pytest.raises(RuntimeError, match="Missing key"):
+        hf_backend.load_weights(update)
     with pytest.raises(ValueError, match="unknown weight transport"):
         vllm_backend.load_weights(WeightUpdate(version=1, transport="carrier-pigeon"))
     with pytest.raises(NotImplementedError):

@@ -1,0 +1,78 @@
+"""Asynchronous PPO with a learned critic and GAE (TRL's former PPOv2, which the paper used).
+
+Per token the reward is −β·(log π − log π_ref) and the score is added on the last completion token; GAE over the
+critic's values gives advantages (whitened by default) and returns. The policy takes the clipped PPO step against
+the behaviour (or proximal) log-probs; the critic takes a clipped value step. The critic is a sequence-
+classification copy of the policy (its backbone initialised from the policy, its head at zero), with its own
+optimizer stepped right after the policy's; it stays on the learners (generators never need it).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForSequenceClassification
+
+from async_rlhf.config import AsyncPPOConfig
+from async_rlhf.losses.ppo import gae_advantages, ppo_policy_loss, ppo_value_loss, whiten
+from async_rlhf.trainers.base import AsyncTrainerBase
+from async_rlhf.trainers.policy_gradient import common_metrics, policy_terms, ratio_denominator
+
+
+def build_critic(policy) -> torch.nn.Module:
+    import copy
+
+    config = copy.deepcopy(policy.config)
+    config.num_labels = 1
+    critic = AutoModelForSequenceClassification.from_config(config)
+    critic.load_state_dict(policy.state_dict(), strict=False)  # shared backbone names; lm_head is ignored
+    torch.nn.init.zeros_(critic.score.weight)
+    return critic
+
+
+def token_values(critic, input_ids, attention_mask) -> torch.Tensor:
+    """V(s_t) for every position: [B, L-1], position t being the state before token t+1 (like `token_logps`)."""
+    backbone = getattr(critic, critic.base_model_prefix)
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    return critic.score(hidden).squeeze(-1)[:, :-1].float()
+
+
+class AsyncPPOTrainer(AsyncTrainerBase):
+    config_class = AsyncPPOConfig
+    _tag_names = ["async_rlhf", "ppo"]
+
+    def __init__(self, model, reward_funcs, args=None, train_dataset=None, eval_dataset=None, processing_class=None,
+                 reward_processing_classes=None, callbacks=None, optimizers=(None, None), peft_config=None,
+                 value_model=None):
+        super().__init__(model, ref_model=None, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
+                         eval_dataset=eval_dataset, processing_class=processing_class,
+                         reward_processing_classes=reward_processing_classes, peft_config=peft_config,
+                         callbacks=callbacks, optimizers=optimizers)
+        critic = value_model if value_model is not None else build_critic(self.model)
+        optimizer = torch.optim.AdamW(critic.parameters(), lr=self.args.learning_rate)
+        self.critic, self.critic_optimizer = self.accelerator.prepare(critic, optimizer)
+
+    def compute_rollout_loss(self, model, groups):
+        a = self.args
+        t = policy_terms(self, model, groups)
+        values = token_values(self.critic, t.input_ids, t.attention_mask)
+        kl = (t.logps.detach() - t.ref_logps) * t.mask
+        rewards = -a.beta * kl
+        last = (t.mask.cumsum(-1) == t.mask.sum(-1, keepdim=True)) & (t.mask > 0)  # last completion token
+        rewards = rewards + last.to(rewards.dtype) * t.scores[:, None]
+        advantages, returns = gae_advantages(rewards, values.detach(), t.mask, a.gamma, a.lam)
+        if a.whiten_advantages and int(t.mask.sum()) > 1:
+            advantages = whiten(advantages, t.mask)
+        old, mu = ratio_denominator(t, a.off_policy_correction)
+        pg_loss, pm = ppo_policy_loss(t.logps, old, advantages, t.mask, clip_eps=a.epsilon, behaviour_logps=mu,
+                                      off_policy=a.off_policy_correction, is_cap=a.is_cap)
+        vf_loss, vm = ppo_value_loss(values, values.detach(), returns, t.mask, clip_range_value=a.cliprange_value)
+        metrics = {f"policy/{k}": float(v) for k, v in pm.items()}
+        metrics.update({f"value/{k}": float(v) for k, v in vm.items()})
+        metrics.update(common_metrics(t, (rewards * t.mask).sum(-1), a.beta))
+        return pg_loss + a.vf_coef * vf_loss, metrics
+
+    def after_optimizer_step(self) -> None:
+        if self.args.max_grad_norm and self.args.max_grad_norm > 0:
+            self.accelerator.clip_grad_norm_(self.critic.parameters(), self.args.max_grad_norm)
+        self.critic_optimizer.step()
+        self.critic_optimizer.zero_grad()
