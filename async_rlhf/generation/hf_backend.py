@@ -7,7 +7,8 @@ warper runs, and the scores are the raw logits (vLLM returns the same in that ca
 
 Prompts are left-padded into one batch and each is repeated `n` times (rather than `num_return_sequences`, which
 greedy search refuses for n > 1). transformers keeps generating padding after a sequence's EOS until the whole
-batch is done; each completion is cut after its first EOS.
+batch is done; each completion is cut after its first EOS. `output_scores` keeps a [P*n, vocab] tensor per step in
+memory: fine for the small models this fallback is for, heavy for a 150k vocabulary at large batch.
 """
 
 from __future__ import annotations
@@ -68,9 +69,11 @@ class HFBackend:
             attention_mask=attention_mask.repeat_interleave(n, dim=0).to(self.device),
             generation_config=config,
         )
-        new_tokens = out.sequences[:, width:].cpu()  # [P*n, T]
-        scores = torch.stack(out.scores, dim=1).float().cpu()  # [P*n, T, V] processed logits
-        logprobs = scores.log_softmax(-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)  # [P*n, T]
+        new_tokens = out.sequences[:, width:]  # [P*n, T]
+        logprobs = torch.stack(  # [P*n, T]; out.scores: T processed-logit tensors of [P*n, V]
+            [s.float().log_softmax(-1).gather(-1, new_tokens[:, t, None])[:, 0] for t, s in enumerate(out.scores)], 1
+        )
+        new_tokens, logprobs = new_tokens.cpu(), logprobs.cpu()
         flat = [self._completion(t.tolist(), lp.tolist(), settings) for t, lp in zip(new_tokens, logprobs)]
         return [flat[p * n : (p + 1) * n] for p in range(len(prompt_token_ids))]
 

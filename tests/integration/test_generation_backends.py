@@ -1,7 +1,8 @@
 """The generator backends against the transformers forward pass: same greedy tokens, behaviour log-probs equal
 to log_softmax of the (tempered, top-k filtered) logits, weight swaps that take effect.
 
-One vLLM engine serves the whole module: importing vLLM and starting it costs 20-50 s on a small CPU.
+One vLLM engine serves the whole module: importing vLLM and starting it costs 20-50 s on a small CPU. It runs
+inside the pytest process (VLLMBackend's default), where on CPU it turns `torch.set_num_threads` into a no-op.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from async_rlhf.generation.hf_backend import HFBackend
 from async_rlhf.models import char_tokenizer, save_tiny_model, tiny_llama
 from async_rlhf.types import Completion, SamplingSettings, WeightUpdate
 
-EOS = 1  # char_tokenizer's <eos>
+EOS = char_tokenizer().eos_token_id
 PROMPTS = [[2, 40, 41, 42], [2, 50], [2, 60, 61, 62, 63, 64, 65]]  # different lengths: HF left-pads
 GREEDY = SamplingSettings(max_new_tokens=16, temperature=0.0, n=1)
 ATOL = 1e-4  # float32 on both sides; measured differences are ~5e-7
