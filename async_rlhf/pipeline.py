@@ -56,7 +56,9 @@ class RolloutPipeline:
         self.gen_seconds = 0.0
         self.start_seconds = 0.0
         self.load_seconds = 0.0  # generator-side weight loading, summed (kept after close)
+        self.loaded_versions: dict[int, int] = {}  # generator id -> last acknowledged version (kept after close)
         self._last_batch: RolloutBatch | None = None
+        self._partial: dict[int, dict[int, RolloutBatch]] = {}  # batch id -> chunk -> rollouts (reader thread)
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     def start(self, initial_version: int = 0) -> None:
@@ -74,7 +76,7 @@ class RolloutPipeline:
                           engine_kwargs=self.engine_kwargs, initial_version=initial_version)
             for i, dev in enumerate(a.generator_devices)
         ]
-        self.pool = GeneratorPool(specs, self.queue.put, a.generator_start_timeout, a.weight_sync_timeout)
+        self.pool = GeneratorPool(specs, self._on_rollouts, a.generator_start_timeout, a.weight_sync_timeout)
         try:
             self.pool.start()
         except BaseException:
@@ -86,6 +88,7 @@ class RolloutPipeline:
     def close(self) -> None:
         if self.pool is not None:
             self.load_seconds = sum(self.pool.load_seconds)
+            self.loaded_versions = dict(self.pool.loaded_version)
             self.pool.close()
             self.pool = None
         if self.transport is not None:
@@ -139,11 +142,40 @@ class RolloutPipeline:
             self.next_dispatch += 1
 
     def _send(self, batch_id: int) -> None:
+        """Split batch `batch_id` into one contiguous chunk per generator (all generators work on every batch, so
+        adding generators cuts the latency of each step, which is what matters at low staleness)."""
         ids = self.stream.prompts_for_step(batch_id)
-        seed = None if self.settings.seed is None else self.settings.seed * 1_000_003 + batch_id
-        settings = SamplingSettings(**{**self.settings.__dict__, "seed": seed})
-        request = GenerationRequest(batch_id, ids, [self.prompt_token_ids[i] for i in ids], settings)
-        self.pool.send_request(batch_id % len(self.pool.specs), request)
+        chunks = min(len(self.pool.specs), len(ids))
+        bounds = [round(i * len(ids) / chunks) for i in range(chunks + 1)]
+        for c in range(chunks):
+            part = ids[bounds[c]:bounds[c + 1]]
+            # backends seed prompt i of a request with seed + i: offsetting by the chunk's first prompt gives every
+            # (batch, prompt) its own stream, reproducible on regeneration and after resume
+            seed = (None if self.settings.seed is None
+                    else (self.settings.seed * 1_000_003 + batch_id) * 1_000_003 + bounds[c])
+            settings = SamplingSettings(**{**self.settings.__dict__, "seed": seed})
+            request = GenerationRequest(batch_id, part, [self.prompt_token_ids[i] for i in part], settings,
+                                        chunk=c, num_chunks=chunks)
+            self.pool.send_request((batch_id + c) % len(self.pool.specs), request)
+
+    def _on_rollouts(self, part: RolloutBatch) -> None:
+        """Reader thread: reassemble a batch from its chunks, then hand it to the staleness queue. The batch's
+        version is the oldest of its chunks' (the staleness bound holds for every sample)."""
+        if part.num_chunks == 1:
+            self.queue.put(part)
+            return
+        parts = self._partial.setdefault(part.batch_id, {})
+        parts[part.chunk] = part
+        if len(parts) < part.num_chunks:
+            return
+        del self._partial[part.batch_id]
+        ordered = [parts[c] for c in range(part.num_chunks)]
+        self.queue.put(RolloutBatch(
+            batch_id=part.batch_id, generator_id=-1, policy_version=min(p.policy_version for p in ordered),
+            prompt_ids=[i for p in ordered for i in p.prompt_ids],
+            prompt_token_ids=[t for p in ordered for t in p.prompt_token_ids],
+            completions=[c for p in ordered for c in p.completions],
+            seconds=max(p.seconds for p in ordered)))
 
     # ---- metrics -----------------------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:

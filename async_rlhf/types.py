@@ -43,6 +43,8 @@ class GenerationRequest:
     prompt_ids: list[int]  # [P] index of each prompt in the prompt stream
     prompt_token_ids: list[list[int]]  # [P][L_p]
     settings: SamplingSettings
+    chunk: int = 0  # a batch is split across generators: this is part `chunk` of `num_chunks`
+    num_chunks: int = 1
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,8 @@ class RolloutBatch:
     prompt_token_ids: list[list[int]]  # [P][L_p]
     completions: list[list[Completion]]  # [P][n]
     seconds: float  # generation wall time
+    chunk: int = 0
+    num_chunks: int = 1
     kind = "rollouts"
 
     @property

@@ -88,6 +88,8 @@ def generator_main(spec: GeneratorSpec, inbox, outbox) -> None:
                         prompt_token_ids=msg.prompt_token_ids,
                         completions=completions,
                         seconds=time.perf_counter() - t0,
+                        chunk=msg.chunk,
+                        num_chunks=msg.num_chunks,
                     )
                 )
             else:

@@ -307,6 +307,8 @@ class AsyncTrainerBase(Trainer):
             "sync_seconds": p.timers["sync_gather"] + p.timers["sync_transfer"],
             "sync_load_seconds": stats.get("sync/load_seconds", 0.0),
             "sync_bytes": p.sync_bytes,
+            "generators": len(a.generator_devices),
+            "generator_versions": p.loaded_versions,
             "staleness_histogram": {int(k): v for k, v in sorted(p.queue.staleness_counts.items())},
             "dropped": p.queue.dropped,
             "regenerated": p.regenerated,

@@ -1,0 +1,28 @@
+"""Several generator processes: every batch is split across them, every one receives every weight broadcast,
+and the staleness bound holds across all of them."""
+
+from __future__ import annotations
+
+import pytest
+
+from async_rlhf import AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer
+from async_rlhf.toy_task import lowercase_reward, toy_prompts
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_two_generators_share_each_batch_and_track_every_version(tmp_path, tiny_model_dir, staleness):
+    steps = 4
+    config = AsyncOnlineDPOConfig(output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=5,
+                                  max_new_tokens=6, max_length=48, generator_backend="transformers",
+                                  generator_devices=["cpu", "cpu"], generator_threads=1, max_staleness=staleness,
+                                  learning_rate=1e-3, disable_tqdm=True, seed=0)
+    trainer = AsyncOnlineDPOTrainer(tiny_model_dir, reward_funcs=lowercase_reward, args=config,
+                                    train_dataset=toy_prompts(40))
+    trainer.train()
+    s = trainer.run_summary
+    assert s["generators"] == 2 and s["steps"] == steps
+    hist = {int(k): v for k, v in s["staleness_histogram"].items()}
+    assert sum(hist.values()) == steps and max(hist) <= staleness
+    # every generator acknowledged the last published version (steps - 1 is the last one a batch could need)
+    assert set(s["generator_versions"]) == {0, 1}
+    assert min(s["generator_versions"].values()) >= steps - 1
