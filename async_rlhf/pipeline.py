@@ -149,10 +149,10 @@ class RolloutPipeline:
         bounds = [round(i * len(ids) / chunks) for i in range(chunks + 1)]
         for c in range(chunks):
             part = ids[bounds[c]:bounds[c + 1]]
-            # backends seed prompt i of a request with seed + i: offsetting by the chunk's first prompt gives every
-            # (batch, prompt) its own stream, reproducible on regeneration and after resume
+            # backends seed sample i of prompt p with seed + p*n + i: offsetting by the chunk's first prompt gives
+            # every (batch, prompt, sample) its own stream, reproducible on regeneration and after resume
             seed = (None if self.settings.seed is None
-                    else (self.settings.seed * 1_000_003 + batch_id) * 1_000_003 + bounds[c])
+                    else (self.settings.seed * 1_000_003 + batch_id) * 1_000_003 + bounds[c] * self.settings.n)
             settings = SamplingSettings(**{**self.settings.__dict__, "seed": seed})
             request = GenerationRequest(batch_id, part, [self.prompt_token_ids[i] for i in part], settings,
                                         chunk=c, num_chunks=chunks)
