@@ -74,6 +74,9 @@ class AsyncRLConfig(TrainingArguments):
     generator_start_timeout: float = field(
         default=600.0, metadata={"help": "Seconds to wait for a generator's engine to start."}
     )
+    generator_max_restarts: int = field(
+        default=3, metadata={"help": "Restarts allowed per generator that dies; then the run fails naming it."}
+    )
     rollout_timeout: float = field(
         default=600.0, metadata={"help": "Seconds a learner waits for the rollouts of one step before failing."}
     )

@@ -57,6 +57,7 @@ class RolloutPipeline:
         self.start_seconds = 0.0
         self.load_seconds = 0.0  # generator-side weight loading, summed (kept after close)
         self.loaded_versions: dict[int, int] = {}  # generator id -> last acknowledged version (kept after close)
+        self.restarts = 0
         self._last_batch: RolloutBatch | None = None
         self._partial: dict[int, dict[int, RolloutBatch]] = {}  # batch id -> chunk -> rollouts (reader thread)
 
@@ -76,7 +77,8 @@ class RolloutPipeline:
                           engine_kwargs=self.engine_kwargs, initial_version=initial_version)
             for i, dev in enumerate(a.generator_devices)
         ]
-        self.pool = GeneratorPool(specs, self._on_rollouts, a.generator_start_timeout, a.weight_sync_timeout)
+        self.pool = GeneratorPool(specs, self._on_rollouts, a.generator_start_timeout, a.weight_sync_timeout,
+                                  a.generator_max_restarts)
         try:
             self.pool.start()
         except BaseException:
@@ -89,6 +91,7 @@ class RolloutPipeline:
         if self.pool is not None:
             self.load_seconds = sum(self.pool.load_seconds)
             self.loaded_versions = dict(self.pool.loaded_version)
+            self.restarts = sum(self.pool.restarts.values())
             self.pool.close()
             self.pool = None
         if self.transport is not None:

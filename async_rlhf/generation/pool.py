@@ -1,19 +1,23 @@
-"""The generator pool: starts, feeds, watches and stops the generator processes. Lives on learner rank 0.
+"""The generator pool: starts, feeds, watches, restarts and stops the generator processes. Lives on learner rank 0.
 
 Owns: one spawned process per generator device, one inbox queue per generator (learner -> generator) and one
 shared outbox (generators -> learner), and a daemon reader thread that drains the outbox. Rollouts go to the
-`on_rollouts` callback (the staleness queue); weight acknowledgements and errors are recorded here.
+`on_rollouts` callback (the staleness pipeline); acknowledgements, readiness and errors are recorded here.
 
 Guarantees:
 * every message to a generator is delivered in the order sent (one FIFO inbox per generator);
 * `start` returns only once every engine is up, or raises within `start_timeout` naming the generator;
-* `check` raises `GeneratorFailed` if a generator reported an error, died, or has not acknowledged a weight
-  update within `weight_sync_timeout`;
+* a generator that dies or reports an error is restarted (at most `max_restarts` times per generator) with the
+  newest weights, and the requests it had not answered are re-issued to it: no batch is lost. Past the limit,
+  `check` raises `GeneratorFailed` naming the generator and its last error;
+* `check` raises `StageTimeout` if a generator has not acknowledged a weight update within `weight_sync_timeout`,
+  or a restarted engine is not up within `start_timeout`;
 * `close` always leaves no generator process alive: Shutdown, then terminate, then kill, each bounded in time.
 """
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import queue
 import threading
@@ -24,34 +28,41 @@ from async_rlhf.generation.worker import GeneratorSpec, generator_main
 from async_rlhf.staleness_queue import StageTimeout
 from async_rlhf.types import GenerationRequest, RolloutBatch, Shutdown, WeightUpdate
 
+logger = logging.getLogger(__name__)
+
 
 class GeneratorFailed(RuntimeError):
-    """A generator process reported an error or died."""
+    """A generator process failed for good (start-up error, or restarts exhausted)."""
 
 
 class GeneratorPool:
     def __init__(self, specs: list[GeneratorSpec], on_rollouts: Callable[[RolloutBatch], None],
-                 start_timeout: float, weight_sync_timeout: float):
-        self.specs = specs
+                 start_timeout: float, weight_sync_timeout: float, max_restarts: int = 3):
+        self.specs = list(specs)
         self.on_rollouts = on_rollouts
         self.start_timeout = start_timeout
         self.weight_sync_timeout = weight_sync_timeout
-        ctx = mp.get_context("spawn")
-        self.inboxes = [ctx.Queue() for _ in specs]
-        self.outbox = ctx.Queue()
-        self.processes = [
-            ctx.Process(target=generator_main, args=(spec, inbox, self.outbox), daemon=True,
-                        name=f"async_rlhf-generator-{spec.generator_id}")
-            for spec, inbox in zip(specs, self.inboxes)
-        ]
-        self.loaded_version = {s.generator_id: s.initial_version for s in specs}
+        self.max_restarts = max_restarts
+        self._ctx = mp.get_context("spawn")
+        self.outbox = self._ctx.Queue()
+        self.inboxes = [self._ctx.Queue() for _ in self.specs]
+        self.processes = [self._process(spec, inbox) for spec, inbox in zip(self.specs, self.inboxes)]
+        self.loaded_version = {s.generator_id: s.initial_version for s in self.specs}
         self.load_seconds: list[float] = []  # one entry per acknowledged update
+        self.restarts = {s.generator_id: 0 for s in self.specs}
+        self._in_flight: dict[int, dict[tuple[int, int], GenerationRequest]] = {s.generator_id: {} for s in self.specs}
+        self._last_update: WeightUpdate | None = None
         self._pending_acks: dict[tuple[int, int], float] = {}  # (generator, version) -> time sent
-        self._errors: list[str] = []
+        self._starting: dict[int, float] = {}  # generator -> time a restart was spawned (until Ready)
+        self._errors: dict[int, str] = {}  # generator -> last error reported
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._reader: threading.Thread | None = None
         self.start_seconds = 0.0
+
+    def _process(self, spec: GeneratorSpec, inbox):
+        return self._ctx.Process(target=generator_main, args=(spec, inbox, self.outbox), daemon=True,
+                                 name=f"async_rlhf-generator-{spec.generator_id}")
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -68,7 +79,10 @@ class GeneratorPool:
             try:
                 msg = self.outbox.get(timeout=min(left, 1.0))
             except queue.Empty:
-                self._raise_if_dead()
+                for spec, p in zip(self.specs, self.processes):
+                    if p.exitcode is not None:
+                        raise GeneratorFailed(f"generator {spec.generator_id} ({spec.device}) exited with code "
+                                              f"{p.exitcode} during start-up")
                 continue
             if msg.kind == "ready":
                 ready.add(msg.generator_id)
@@ -78,7 +92,8 @@ class GeneratorPool:
         self._reader = threading.Thread(target=self._read, name="async_rlhf-rollout-reader", daemon=True)
         self._reader.start()
 
-    def close(self, timeout: float = 30.0) -> None:
+    def close(self, timeout: float = 20.0) -> None:
+        self._stop.set()
         for inbox, p in zip(self.inboxes, self.processes):
             if p.is_alive():
                 try:
@@ -87,16 +102,7 @@ class GeneratorPool:
                     pass
         deadline = time.monotonic() + timeout
         for p in self.processes:
-            if p.pid is None:
-                continue
-            p.join(max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
-                p.terminate()
-                p.join(5.0)
-            if p.is_alive():
-                p.kill()
-                p.join(5.0)
-        self._stop.set()
+            _stop_process(p, max(0.0, deadline - time.monotonic()))
         if self._reader is not None:
             self._reader.join(5.0)
         for q in [*self.inboxes, self.outbox]:
@@ -107,35 +113,67 @@ class GeneratorPool:
     def send_weights(self, update: WeightUpdate) -> None:
         now = time.monotonic()
         with self._lock:
+            self._last_update = update
             for spec, inbox in zip(self.specs, self.inboxes):
                 self._pending_acks[(spec.generator_id, update.version)] = now
                 inbox.put(update)
 
     def send_request(self, generator_id: int, request: GenerationRequest) -> None:
-        self.inboxes[generator_id].put(request)
+        with self._lock:
+            self._in_flight[generator_id][(request.batch_id, request.chunk)] = request
+            self.inboxes[generator_id].put(request)
 
     def min_loaded_version(self) -> int:
         with self._lock:
             return min(self.loaded_version.values())
 
+    # ---- health --------------------------------------------------------------------------------------
     def check(self) -> None:
-        """Raise if any generator failed, died, or is overdue acknowledging weights."""
+        """Restart dead generators; raise if one failed for good or a stage is overdue. Main thread only."""
+        now = time.monotonic()
         with self._lock:
-            if self._errors:
-                raise GeneratorFailed(self._errors[0])
-            now = time.monotonic()
             for (gid, version), sent in self._pending_acks.items():
-                if now - sent > self.weight_sync_timeout:
+                if now - sent > self.weight_sync_timeout and gid not in self._starting:
                     raise StageTimeout(
                         f"weight sync: generator {gid} did not acknowledge weights v{version} within "
                         f"{self.weight_sync_timeout:.0f}s (raise weight_sync_timeout if loading is slow)")
-        self._raise_if_dead()
-
-    def _raise_if_dead(self) -> None:
-        for spec, p in zip(self.specs, self.processes):
+            for gid, since in self._starting.items():
+                if now - since > self.start_timeout:
+                    raise StageTimeout(f"generator start: restarted generator {gid} not ready within "
+                                       f"{self.start_timeout:.0f}s")
+        for i, (spec, p) in enumerate(zip(self.specs, self.processes)):
             if p.exitcode is not None and not self._stop.is_set():
-                raise GeneratorFailed(f"generator {spec.generator_id} ({spec.device}) exited with code {p.exitcode}")
+                self._restart(i, f"exited with code {p.exitcode}")
 
+    def _restart(self, i: int, reason: str) -> None:
+        spec = self.specs[i]
+        gid = spec.generator_id
+        last_error = self._errors.get(gid, "")
+        if self.restarts[gid] >= self.max_restarts:
+            raise GeneratorFailed(f"generator {gid} ({spec.device}) {reason}; restarts exhausted "
+                                  f"({self.max_restarts}). Last error:\n{last_error or '(none reported)'}")
+        self.restarts[gid] += 1
+        logger.warning("generator %d (%s) %s; restarting (%d/%d) and re-issuing %d request(s)", gid, spec.device,
+                       reason, self.restarts[gid], self.max_restarts, len(self._in_flight[gid]))
+        _stop_process(self.processes[i], 5.0)
+        self.inboxes[i].cancel_join_thread()
+        inbox = self._ctx.Queue()
+        with self._lock:
+            update = self._last_update
+            version = update.version if update is not None else spec.initial_version
+            self.inboxes[i] = inbox
+            self.processes[i] = self._process(spec, inbox)
+            self._starting[gid] = time.monotonic()
+            self._pending_acks = {k: v for k, v in self._pending_acks.items() if k[0] != gid}
+            self.loaded_version[gid] = spec.initial_version
+            if update is not None:  # FIFO: the newest weights load before any re-issued request
+                self._pending_acks[(gid, version)] = time.monotonic()
+                inbox.put(update)
+            for request in sorted(self._in_flight[gid].values(), key=lambda r: (r.batch_id, r.chunk)):
+                inbox.put(request)
+        self.processes[i].start()
+
+    # ---- reader thread -----------------------------------------------------------------------------------
     def _read(self) -> None:
         while not self._stop.is_set():
             try:
@@ -145,12 +183,29 @@ class GeneratorPool:
             except (EOFError, OSError, ValueError):
                 return
             if msg.kind == "rollouts":
-                self.on_rollouts(msg)
-            elif msg.kind == "weights_loaded":
-                with self._lock:
+                with self._lock:  # a request answered twice (sent before a crash, then re-issued) counts once
+                    fresh = self._in_flight[msg.generator_id].pop((msg.batch_id, msg.chunk), None) is not None
+                if fresh:
+                    self.on_rollouts(msg)
+                continue
+            with self._lock:
+                if msg.kind == "weights_loaded":
                     self._pending_acks.pop((msg.generator_id, msg.version), None)
                     self.loaded_version[msg.generator_id] = msg.version
                     self.load_seconds.append(msg.seconds)
-            elif msg.kind == "error":
-                with self._lock:
-                    self._errors.append(f"generator {msg.generator_id} failed:\n{msg.message}")
+                elif msg.kind == "ready":
+                    self._starting.pop(msg.generator_id, None)
+                elif msg.kind == "error":  # the process exits next; `check` restarts it
+                    self._errors[msg.generator_id] = msg.message
+
+
+def _stop_process(p, timeout: float) -> None:
+    if p.pid is None:
+        return
+    p.join(timeout)
+    if p.is_alive():
+        p.terminate()
+        p.join(5.0)
+    if p.is_alive():
+        p.kill()
+        p.join(5.0)

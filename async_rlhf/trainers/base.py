@@ -311,6 +311,7 @@ class AsyncTrainerBase(Trainer):
             "generator_versions": p.loaded_versions,
             "staleness_histogram": {int(k): v for k, v in sorted(p.queue.staleness_counts.items())},
             "dropped": p.queue.dropped,
+            "generator_restarts": p.restarts,
             "regenerated": p.regenerated,
             "rewards_skipped": self.scorer.skipped,
             "max_staleness": a.max_staleness,

@@ -10,12 +10,13 @@ import time
 
 import psutil
 import pytest
-from datasets import Dataset
+from transformers import TrainerCallback
 
 from async_rlhf import AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer
 from async_rlhf.generation.pool import GeneratorFailed
 from async_rlhf.scoring import RewardError
-from async_rlhf.toy_task import toy_prompts
+from async_rlhf.staleness_queue import StageTimeout
+from async_rlhf.toy_task import lowercase_reward, toy_prompts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -86,3 +87,52 @@ def test_sigterm_mid_run_exits_promptly_and_leaves_no_process(tmp_path):
     alive = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not alive, f"left alive: {[p.cmdline() for p in alive]}"
     assert proc.returncode != 0
+
+
+class _Inject(TrainerCallback):
+    """Does something to generator 0's process after a given optimizer step (a real failure, not a mock)."""
+
+    def __init__(self, trainer, step, sig):
+        self.trainer, self.step, self.sig = trainer, step, sig
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            os.kill(self.trainer.pipeline.pool.processes[0].pid, self.sig)
+
+
+def test_killed_generator_is_restarted_and_no_batch_is_lost(tmp_path, tiny_model_dir):
+    args = config(tmp_path, max_steps=6, max_staleness=1)
+    trainer = AsyncOnlineDPOTrainer(tiny_model_dir, reward_funcs=lowercase_reward, args=args,
+                                    train_dataset=toy_prompts(32))
+    trainer.add_callback(_Inject(trainer, 2, signal.SIGKILL))
+    trainer.train()
+    s = trainer.run_summary
+    assert s["generator_restarts"] == 1
+    assert s["steps"] == 6 and sum(s["staleness_histogram"].values()) == 6
+    assert max(int(k) for k in s["staleness_histogram"]) <= 1
+    assert s["generator_versions"][0] >= 5  # the restarted generator caught up with the newest weights
+    assert not generator_processes()
+
+
+def test_stalled_generator_fails_within_the_rollout_timeout(tmp_path, tiny_model_dir):
+    args = config(tmp_path, max_steps=50, max_staleness=0, rollout_timeout=8, weight_sync_timeout=600)
+    trainer = AsyncOnlineDPOTrainer(tiny_model_dir, reward_funcs=lowercase_reward, args=args,
+                                    train_dataset=toy_prompts(32))
+    trainer.add_callback(_Inject(trainer, 1, signal.SIGSTOP))
+    t0 = time.monotonic()
+    with pytest.raises(StageTimeout, match="rollout queue: batch 1 did not arrive"):
+        trainer.train()
+    assert time.monotonic() - t0 < 60
+    assert not generator_processes()
+
+
+def test_stalled_weight_transfer_fails_within_the_sync_timeout(tmp_path, tiny_model_dir):
+    args = config(tmp_path, max_steps=50, max_staleness=0, rollout_timeout=600, weight_sync_timeout=5)
+    trainer = AsyncOnlineDPOTrainer(tiny_model_dir, reward_funcs=lowercase_reward, args=args,
+                                    train_dataset=toy_prompts(32))
+    trainer.add_callback(_Inject(trainer, 1, signal.SIGSTOP))
+    t0 = time.monotonic()
+    with pytest.raises(StageTimeout, match="weight sync: generator 0 did not acknowledge weights v1 within 5s"):
+        trainer.train()
+    assert time.monotonic() - t0 < 60
+    assert not generator_processes()
