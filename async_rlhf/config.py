@@ -168,6 +168,8 @@ class AsyncRLConfig(TrainingArguments):
         if not _cuda_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1 and self.ddp_backend is None:
             # several CPU learner ranks: accelerate's multi-GPU launcher on a CPU-only machine needs gloo
             self.ddp_backend, self.use_cpu = "gloo", True
+        _require(self.save_total_limit != 1, "save_total_limit",
+                 "1 would delete the last valid checkpoint while the next one is being written; use >= 2 or None")
         if self.generator_threads is None:
             self.generator_threads = max(1, (os.cpu_count() or 2) // 2)
         super().__post_init__()

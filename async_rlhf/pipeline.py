@@ -62,11 +62,17 @@ class RolloutPipeline:
         self._partial: dict[int, dict[int, RolloutBatch]] = {}  # batch id -> chunk -> rollouts (reader thread)
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
-    def start(self, initial_version: int = 0) -> None:
+    def start(self, initial_version: int = 0, pending: list[RolloutBatch] = (), counters: dict | None = None) -> None:
+        """Start the generators at `initial_version` (> 0 when resuming: the generators then start from the
+        checkpoint's weights), with rollouts restored from a checkpoint already queued."""
         self.queued_version = initial_version
         self.next_dispatch = initial_version
         if not self.is_main:
             return
+        self.restore_counters(counters or {})
+        for batch in pending:
+            if batch.batch_id >= initial_version:
+                self.queue.put(batch)
         a = self.args
         if a.weight_transport == "nccl":
             raise NotImplementedError("weight_transport='nccl' needs the GPU transport (not in this build); use 'shm'")
@@ -102,6 +108,7 @@ class RolloutPipeline:
     def batch_for_step(self, step: int) -> RolloutBatch:
         batch = None
         if self.is_main:
+            self.total_steps = max(self.total_steps, step + 1)  # the Trainer may run past max_steps (resume)
             t0 = time.perf_counter()
             while batch is None:
                 self._dispatch()
@@ -141,7 +148,8 @@ class RolloutPipeline:
     # ---- dispatch ----------------------------------------------------------------------------------------
     def _dispatch(self) -> None:
         while self.next_dispatch < self.total_steps and self.queue.admissible(self.next_dispatch, self.queued_version):
-            self._send(self.next_dispatch)
+            if self.next_dispatch not in self.queue:  # restored from a checkpoint: already generated
+                self._send(self.next_dispatch)
             self.next_dispatch += 1
 
     def _send(self, batch_id: int) -> None:
@@ -179,6 +187,19 @@ class RolloutPipeline:
             prompt_token_ids=[t for p in ordered for t in p.prompt_token_ids],
             completions=[c for p in ordered for c in p.completions],
             seconds=max(p.seconds for p in ordered)))
+
+    # ---- checkpoint state ------------------------------------------------------------------------------------
+    def counters(self) -> dict:
+        return {"staleness_counts": {str(k): v for k, v in self.queue.staleness_counts.items()},
+                "dropped": self.queue.dropped, "regenerated": self.regenerated,
+                "sync_bytes": self.sync_bytes, "syncs": self.syncs}
+
+    def restore_counters(self, c: dict) -> None:
+        self.queue.staleness_counts.update({int(k): v for k, v in c.get("staleness_counts", {}).items()})
+        self.queue.dropped += c.get("dropped", 0)
+        self.regenerated += c.get("regenerated", 0)
+        self.sync_bytes += c.get("sync_bytes", 0)
+        self.syncs += c.get("syncs", 0)
 
     # ---- metrics -----------------------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:

@@ -78,6 +78,10 @@ class StalenessQueue:
         self.staleness_counts[staleness] += 1
         return batch
 
+    def __contains__(self, batch_id: int) -> bool:
+        with self._cond:
+            return batch_id in self._ready
+
     def pending(self) -> list[RolloutBatch]:
         """Batches generated but not yet trained on (for checkpoints)."""
         with self._cond:

@@ -73,3 +73,11 @@ def save_and_evaluate(trainer, evaluate, output_dir: str) -> dict | None:
     with open(os.path.join(output_dir, "eval_results.json"), "w") as f:
         json.dump(results, f, indent=2)
     return results
+
+
+def resume_argument(config) -> str | bool | None:
+    """`--resume_from_checkpoint PATH`, or `true` / `last` for the newest complete checkpoint in output_dir."""
+    value = config.resume_from_checkpoint
+    if isinstance(value, str) and value.lower() in ("true", "last", "last-checkpoint"):
+        return True
+    return value

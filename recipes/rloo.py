@@ -17,7 +17,7 @@ if __package__ in (None, ""):  # `python recipes/rloo.py` from a checkout
 
 from async_rlhf.cli import parse_args
 from async_rlhf.config import AsyncRLOOConfig
-from async_rlhf.tasks import ScriptArguments, save_and_evaluate, setup_task
+from async_rlhf.tasks import ScriptArguments, resume_argument, save_and_evaluate, setup_task
 
 
 def main(argv: list[str]) -> None:
@@ -27,7 +27,7 @@ def main(argv: list[str]) -> None:
     with config.main_process_first(desc="task set-up"):  # rank 0 builds caches and models; the others then read
         model, reward, train_dataset, evaluate = setup_task(script, config)
     trainer = AsyncRLOOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=train_dataset)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume_argument(config))
     save_and_evaluate(trainer, evaluate, config.output_dir)
 
 

@@ -81,7 +81,7 @@ class OracleNoise:
 # Human references: good, but flawed about half the time, so a good policy wins well over 50% against them.
 REFERENCE_NOISE = OracleNoise(drop_key=0.08, add_filler=0.2, add_distractor=0.15, swap=0.15, opener=0.0, ramble=0.0)
 # SFT demonstrations: a sloppier pool whose usual style opens with a filler word and often rambles.
-DEMONSTRATION_NOISE = OracleNoise(drop_key=0.1, add_filler=0.2, add_distractor=0.2, swap=0.15, opener=0.6,
+DEMONSTRATION_NOISE = OracleNoise(drop_key=0.1, add_filler=0.2, add_distractor=0.2, swap=0.15, opener=0.35,
                                   ramble=0.3)
 
 
@@ -112,14 +112,14 @@ def sample_post(rng: random.Random) -> Post:
     num_keys = rng.choice((2, 3))
     keys = own[:num_keys]
     others = rng.sample([t for t in sorted(TOPICS) if t != topic], 2)
-    distractors = [rng.choice(TOPICS[t]) for t in others[:rng.choice((1, 2))]]
+    distractors = [rng.choice(TOPICS[t]) for t in others[:rng.choice((1, 1, 2))]]
     if rng.random() < 1 / 3:
         distractors.append(own[num_keys])
     content = [w for w in keys for _ in range(rng.choice((2, 2, 3)))] + distractors
     rng.shuffle(content)
     words: list[str] = []
     for w in content:
-        words += rng.choices(FILLERS, k=rng.choice((0, 1, 1, 2)))
+        words += rng.choices(FILLERS, k=rng.choice((0, 1, 1)))
         words.append(w)
     return Post(topic, tuple(words))
 

@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback
 
+from async_rlhf import checkpointing
 from async_rlhf.config import AsyncRLConfig, ConfigError
 from async_rlhf.pipeline import RolloutPipeline
 from async_rlhf.prompts import check_prompt_dataset, prompt_text, tokenize_prompts
@@ -50,6 +51,9 @@ class _PipelineHooks(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         self.trainer.after_optimizer_step()
         self.trainer.pipeline.after_optimizer_step(self.trainer.model, state.global_step)
+        if self.trainer.stop_requested():  # SIGTERM / SIGINT: checkpoint this step, then stop
+            control.should_save = True
+            control.should_training_stop = True
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs is not None:
@@ -164,7 +168,8 @@ class AsyncTrainerBase(Trainer):
         """This rank's prompts of the current micro-batch, with their completions scored."""
         a = self.args
         step = self.state.global_step
-        if self._micro == 0:
+        first_micro = self._micro == 0
+        if first_micro:
             self._step_batch = self.pipeline.batch_for_step(step)
         batch = self._step_batch
         per = a.per_device_train_batch_size
@@ -195,12 +200,21 @@ class AsyncTrainerBase(Trainer):
         self._metrics["val/contain_eos_token"].append(sum(finished) / len(finished))
         self._metrics["generator/completion_length"].append(sum(len(c) for c in comp_ids) / len(comp_ids))
         self._metrics["queue/staleness_of_batch"].append(float(step - batch.policy_version))
+        if first_micro and self.accelerator.is_main_process:
+            self._record_trained_batch(step, batch)
         return [
             ScoredGroup(prompt_id=batch.prompt_ids[r], prompt_token_ids=batch.prompt_token_ids[r],
                         completions=batch.completions[r], rewards=scores[i * n:(i + 1) * n].tolist(),
                         policy_version=batch.policy_version)
             for i, r in enumerate(rows)
         ]
+
+    def _record_trained_batch(self, step: int, batch: RolloutBatch) -> None:
+        """The run's own record of what each step trained on (read by resume tests and audits)."""
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        with open(os.path.join(self.args.output_dir, "trained_batches.jsonl"), "a") as f:
+            f.write(json.dumps({"step": step, "policy_version": batch.policy_version,
+                                "prompt_ids": batch.prompt_ids}) + "\n")
 
     # ---- the algorithm hook --------------------------------------------------------------------------------
     def compute_rollout_loss(self, model, groups: list[ScoredGroup]) -> tuple[torch.Tensor, dict[str, float]]:
@@ -242,29 +256,55 @@ class AsyncTrainerBase(Trainer):
                 "gpu_memory_utilization": a.vllm_gpu_memory_utilization,
                 "enforce_eager": a.vllm_enforce_eager, "tensor_parallel_size": a.vllm_tensor_parallel_size}
 
+    def _identity(self) -> dict:
+        """What must match between a checkpoint and the run resuming from it."""
+        c = self.accelerator.unwrap_model(self.model).config
+        return {"model": f"{c.model_type}/vocab{c.vocab_size}/hidden{getattr(c, 'hidden_size', None)}"
+                         f"/layers{getattr(c, 'num_hidden_layers', None)}",
+                "num_prompts": len(self.prompt_token_ids), "prompts_per_step": self.args.prompts_per_step,
+                "seed": self.args.seed}
+
+    def _resolve_checkpoint(self, resume_from_checkpoint) -> str | None:
+        if resume_from_checkpoint in (None, False, ""):
+            return None
+        if resume_from_checkpoint is True or resume_from_checkpoint == "last-checkpoint":
+            path = checkpointing.latest_complete_checkpoint(self.args.output_dir)
+            if path is None:
+                raise checkpointing.CheckpointError(
+                    f"resume_from_checkpoint: no complete checkpoint in {self.args.output_dir}")
+            return path
+        return str(resume_from_checkpoint)
+
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
-        if resume_from_checkpoint:
-            raise NotImplementedError("resume_from_checkpoint: exact resume of the asynchronous pipeline is not "
-                                      "implemented yet")
-        model_dir, is_temp = self._generator_model_dir()
+        checkpoint = self._resolve_checkpoint(resume_from_checkpoint)
+        restored = {"version": 0, "pending": [], "counters": {}}
+        if checkpoint is not None:  # validated before any generator starts
+            restored = checkpointing.load_pipeline_state(checkpoint, self._identity())
+            model_dir, is_temp = checkpoint, False  # generators start from the checkpoint's weights
+        else:
+            model_dir, is_temp = self._generator_model_dir()
         self.pipeline = RolloutPipeline(self.args, self.prompt_token_ids, model_dir, self.accelerator,
                                         self._total_steps(), self.sampling_settings(), self._engine_kwargs())
-        previous = signal.getsignal(signal.SIGTERM)
-        if self.accelerator.is_main_process:
-            signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+        self._stop_signal = 0
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+        for sig in previous:
+            signal.signal(sig, self._on_signal)
         t0 = time.perf_counter()
         try:
-            self.pipeline.start()
+            self.pipeline.start(restored["version"], restored["pending"], restored["counters"])
             t_loop = time.perf_counter()
-            output = super().train(resume_from_checkpoint=None, trial=trial,
+            output = super().train(resume_from_checkpoint=checkpoint, trial=trial,
                                    ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
             self._loop_seconds = time.perf_counter() - t_loop
         finally:
             self.pipeline.close()
-            if self.accelerator.is_main_process:
-                signal.signal(signal.SIGTERM, previous)
-                if is_temp:
-                    shutil.rmtree(model_dir, ignore_errors=True)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            if is_temp and self.accelerator.is_main_process:
+                shutil.rmtree(model_dir, ignore_errors=True)
+        if self._stop_signal:
+            raise KeyboardInterrupt(f"stopped by signal {self._stop_signal} after saving checkpoint-"
+                                    f"{self.state.global_step} in {self.args.output_dir}")
         self.run_summary = self._summary(time.perf_counter() - t0)
         if self.accelerator.is_main_process:
             print(format_summary(self.run_summary), flush=True)
@@ -272,6 +312,28 @@ class AsyncTrainerBase(Trainer):
             with open(os.path.join(self.args.output_dir, "run_summary.json"), "w") as f:
                 json.dump(self.run_summary, f, indent=2)
         return output
+
+    # ---- interruption and checkpoints ----------------------------------------------------------------------
+    def _on_signal(self, signum, frame):
+        """First SIGTERM/SIGINT: finish the current step, checkpoint, stop. Second: stop now."""
+        if self._stop_signal:
+            raise KeyboardInterrupt(f"received signal {signum} twice")
+        self._stop_signal = signum
+
+    def stop_requested(self) -> bool:
+        flag = torch.tensor([float(self._stop_signal)], device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:  # every rank must stop at the same step, or collectives hang
+            flag = self.accelerator.reduce(flag, reduction="sum")
+        return bool(flag.item())
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self.args.should_save:
+            directory = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+            pending = [b for b in self.pipeline.queue.pending() if b.batch_id >= self.state.global_step]
+            checkpointing.save_pipeline_state(directory, self.state.global_step, pending,
+                                              self.pipeline.counters(), self._identity())
+            checkpointing.mark_complete(directory, self.state.global_step)
 
     # ---- logging -----------------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -319,10 +381,6 @@ class AsyncTrainerBase(Trainer):
             "final": {k: v for k, v in self._last_metrics.items()
                       if k in ("objective/scores", "objective/kl", "objective/rlhf_reward", "loss")},
         }
-
-
-def _raise_keyboard_interrupt(signum, frame):
-    raise KeyboardInterrupt(f"received signal {signum}")
 
 
 def format_summary(s: dict) -> str:

@@ -1,0 +1,91 @@
+"""What a checkpoint adds to the Trainer's own files so the asynchronous pipeline resumes as if never stopped.
+
+The Trainer saves the model, optimizer, scheduler, RNG states and `trainer_state.json` (global step = policy
+version). We add `async_rlhf_pipeline.json`: the rollouts already generated but not yet trained (with their
+versions), the counters, and the fields that must match on resume. Prompts need no state: the prompt of every
+step is a pure function of (seed, step) (`PromptStream`), so batches that were in flight are regenerated
+identically. Everything is JSON (nothing is unpickled); each file is written then renamed, and the completion
+marker is written last, so a checkpoint killed half-way is never taken for a valid one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import re
+
+from async_rlhf.types import Completion, RolloutBatch
+
+PIPELINE_FILE = "async_rlhf_pipeline.json"
+COMPLETE_MARKER = "async_rlhf_complete.json"
+FORMAT = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be resumed from; the message names the file and the problem."""
+
+
+def _write_json(path: str, payload: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(payload, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_pipeline_state(directory: str, version: int, pending: list[RolloutBatch], counters: dict,
+                        identity: dict) -> None:
+    _write_json(os.path.join(directory, PIPELINE_FILE), {
+        "format": FORMAT, "version": version, "identity": identity, "counters": counters,
+        "pending": [dataclasses.asdict(b) for b in pending],
+    })
+
+
+def mark_complete(directory: str, version: int) -> None:
+    _write_json(os.path.join(directory, COMPLETE_MARKER), {"format": FORMAT, "version": version})
+
+
+def is_complete(directory: str) -> bool:
+    return os.path.isfile(os.path.join(directory, COMPLETE_MARKER))
+
+
+def latest_complete_checkpoint(output_dir: str) -> str | None:
+    found = []
+    for path in glob.glob(os.path.join(output_dir, "checkpoint-*")):
+        m = re.fullmatch(r"checkpoint-(\d+)", os.path.basename(path))
+        if m and is_complete(path):
+            found.append((int(m.group(1)), path))
+    return max(found)[1] if found else None
+
+
+def _batch(d: dict) -> RolloutBatch:
+    comps = [[Completion(**c) for c in group] for group in d.pop("completions")]
+    return RolloutBatch(completions=comps, **d)
+
+
+def load_pipeline_state(directory: str, identity: dict) -> dict:
+    """Validate a checkpoint and return {"version", "pending": [RolloutBatch], "counters"}."""
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"resume_from_checkpoint: {directory} is not a directory")
+    if not is_complete(directory):
+        raise CheckpointError(f"resume_from_checkpoint: {directory} is incomplete (no {COMPLETE_MARKER}: the run "
+                              "was stopped while saving it); resume from the previous checkpoint")
+    path = os.path.join(directory, PIPELINE_FILE)
+    try:
+        with open(path) as f:
+            state = json.load(f)
+        pending = [_batch(b) for b in state["pending"]]
+        version = int(state["version"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"resume_from_checkpoint: {path} is unreadable or truncated: {exc}") from exc
+    if state.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: format {state.get('format')} is not {FORMAT}")
+    for key, value in identity.items():
+        saved = state.get("identity", {}).get(key)
+        if saved != value:
+            raise CheckpointError(f"resume_from_checkpoint: {directory} was saved with {key}={saved!r}, this run "
+                                  f"has {key}={value!r} (a checkpoint from a different model or dataset)")
+    return {"version": version, "pending": pending, "counters": state.get("counters", {})}
