@@ -31,14 +31,24 @@ def _launch(tmp_path, staleness: int, backend: str = "vllm", procs: int = 2) -> 
         "--temperature", "1.0", "--max_staleness", str(staleness), "--sync_every", "1",
         "--generator_backend", backend, "--rollout_timeout", "300", "--seed", "1",
     ]
-    before = {p.pid for p in psutil.process_iter()}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    log = proc.stdout + proc.stderr
+    # its own session: every process the run starts (ranks, generators) keeps that session id, even if orphaned
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        log, _ = proc.communicate()
+        raise AssertionError("run did not finish in 900 s:\n" + log[-6000:])
     assert proc.returncode == 0, log[-6000:]
-    leftovers = [p for p in psutil.process_iter(["pid", "cmdline"])
-                 if p.pid not in before and p.info["cmdline"] and any("async_rlhf" in a or "online_dpo" in a
-                                                                     for a in p.info["cmdline"])]
-    assert not leftovers, f"processes left alive after the run: {[p.info for p in leftovers]}"
+    leftovers = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if os.getsid(p.pid) == proc.pid:
+                leftovers.append(p.info)
+        except (ProcessLookupError, PermissionError):
+            pass
+    assert not leftovers, f"processes left alive after the run: {leftovers}"
     summary = json.loads((out / "run_summary.json").read_text())
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return summary, [m for m in metrics if "loss" in m], log
