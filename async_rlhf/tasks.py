@@ -22,8 +22,28 @@ class ScriptArguments:
     dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
     reward: str = field(default="proxy", metadata={"help": "builtin task: 'proxy' (trained reward model, as the "
                                                            "paper) or 'gold' (the programmatic gold reward)."})
-    eval_prompts: int = field(default=128, metadata={"help": "Held-out prompts for the final gold evaluation "
+    eval_prompts: int = field(default=128, metadata={"help": "Held-out prompts for the gold evaluation "
                                                              "(builtin task; 0 skips it)."})
+    gold_eval_steps: int = field(default=0, metadata={"help": "Also evaluate every this many steps during "
+                                                              "training (builtin task; 0: only at the end)."})
+    dataset_data_files: str | None = field(default=None, metadata={"help": "Local .json/.jsonl/.csv/.parquet "
+                                                                           "file(s) read instead of the hub "
+                                                                           "(task 'hub')."})
+    hub_reward: str | None = field(default=None, metadata={"help": "task 'hub': 'gsm8k' (exact-match reward "
+                                                                   "on the '#### <number>' answer) instead of "
+                                                                   "--reward_model_path."})
+
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch", "configs")
+
+
+def task_defaults(recipe: str) -> dict[str, str]:
+    """The recipe's tuned defaults for the built-in task: `launch/configs/<recipe>_builtin.yaml`.
+
+    Applied below `--config` and flags (see `cli.parse_args`), so `accelerate launch recipes/<recipe>.py` with no
+    arguments runs a tuned, minutes-long built-in task; other tasks start from the config classes' defaults."""
+    path = os.path.join(CONFIG_DIR, f"{recipe}_builtin.yaml")
+    return {"builtin": path} if os.path.isfile(path) else {}
 
 
 def setup_task(script: ScriptArguments, config):
@@ -45,19 +65,28 @@ def setup_task(script: ScriptArguments, config):
         reward = gold_reward if script.reward == "gold" else (config.reward_model_path or paths["reward_model"])
         model = script.model_name_or_path or paths["sft_model"]
 
-        def evaluate(model_dir):
+        def evaluate(model_or_dir):
+            from transformers import AutoTokenizer
+
             from async_rlhf.evaluation import evaluate_policy
 
-            return evaluate_policy(model_dir, paths["sft_model"], num_prompts=script.eval_prompts, seed=0)
+            tokenizer = AutoTokenizer.from_pretrained(paths["tokenizer"])
+            return evaluate_policy(model_or_dir, paths["sft_model"], num_prompts=script.eval_prompts, seed=0,
+                                   tokenizer=tokenizer, dataset=splits["test"])
 
         return model, reward, splits["train"], (evaluate if script.eval_prompts > 0 else None)
     if script.task == "hub":
-        from datasets import load_dataset
+        from async_rlhf.data.loaders import gsm8k_reward, load_prompt_dataset
 
-        if not (script.model_name_or_path and script.dataset_name and config.reward_model_path):
-            raise ConfigError("task 'hub' needs --model_name_or_path, --dataset_name and --reward_model_path")
-        data = load_dataset(script.dataset_name, script.dataset_config, split=script.dataset_train_split)
-        return script.model_name_or_path, config.reward_model_path, data, None
+        if script.hub_reward not in (None, "gsm8k"):
+            raise ConfigError(f"hub_reward: {script.hub_reward!r} is not one of None, 'gsm8k'")
+        reward = gsm8k_reward if script.hub_reward == "gsm8k" else config.reward_model_path
+        if not (script.model_name_or_path and script.dataset_name and reward):
+            raise ConfigError("task 'hub' needs --model_name_or_path, --dataset_name and --reward_model_path "
+                              "(or --hub_reward gsm8k)")
+        data = load_prompt_dataset(script.dataset_name, script.dataset_train_split,
+                                   data_files=script.dataset_data_files, config=script.dataset_config)
+        return script.model_name_or_path, reward, data, None
     raise ConfigError(f"task: {script.task!r} is not one of 'builtin', 'toy', 'hub'")
 
 
@@ -81,3 +110,11 @@ def resume_argument(config) -> str | bool | None:
     if isinstance(value, str) and value.lower() in ("true", "last", "last-checkpoint"):
         return True
     return value
+
+
+def add_periodic_evaluation(trainer, evaluate, every: int) -> None:
+    """Gold evaluation every `every` steps during training (no-op when the task has none or `every` is 0)."""
+    if evaluate is not None and every > 0:
+        from async_rlhf.periodic_eval import PeriodicEvaluation
+
+        trainer.add_callback(PeriodicEvaluation(trainer, evaluate, every))

@@ -17,16 +17,18 @@ if __package__ in (None, ""):  # `python recipes/rloo.py` from a checkout
 
 from async_rlhf.cli import parse_args
 from async_rlhf.config import AsyncRLOOConfig
-from async_rlhf.tasks import ScriptArguments, resume_argument, save_and_evaluate, setup_task
+from async_rlhf.tasks import (ScriptArguments, add_periodic_evaluation, resume_argument, save_and_evaluate,
+                              setup_task, task_defaults)
 
 
 def main(argv: list[str]) -> None:
-    script, config = parse_args((ScriptArguments, AsyncRLOOConfig), argv)
+    script, config = parse_args((ScriptArguments, AsyncRLOOConfig), argv, task_defaults('rloo'))
     from async_rlhf import AsyncRLOOTrainer
 
     with config.main_process_first(desc="task set-up"):  # rank 0 builds caches and models; the others then read
         model, reward, train_dataset, evaluate = setup_task(script, config)
     trainer = AsyncRLOOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=train_dataset)
+    add_periodic_evaluation(trainer, evaluate, script.gold_eval_steps)
     trainer.train(resume_from_checkpoint=resume_argument(config))
     save_and_evaluate(trainer, evaluate, config.output_dir)
 

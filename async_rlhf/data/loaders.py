@@ -21,6 +21,8 @@ import re
 
 from datasets import Dataset, load_dataset
 
+from async_rlhf.prompts import DatasetError, is_conversational, prompt_text
+
 logger = logging.getLogger(__name__)
 
 TLDR = "trl-lib/tldr"
@@ -29,8 +31,7 @@ GSM8K = "openai/gsm8k"
 GSM8K_PROMPT = "[MATH_TASK] Problem:\n{question}\n\nSolution:"
 
 
-class DatasetFormatError(ValueError):
-    """A dataset cannot be used as given; the message names the dataset, the column and/or the row."""
+DatasetFormatError = DatasetError  # one error type for every dataset problem (loading or training)
 
 
 def load_rows(name: str, split: str = "train", config: str | None = None,
@@ -54,15 +55,6 @@ def require_columns(dataset: Dataset, columns: list[str], name: str) -> None:
                                  f"columns present: {dataset.column_names}")
 
 
-def _is_messages(value) -> bool:
-    return isinstance(value, list) and len(value) > 0 and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
-
-
-def _prompt_text(value) -> str:
-    return value if isinstance(value, str) else "".join(m["content"] for m in value)
-
-
 def validate_prompts(dataset: Dataset, name: str, tokenizer=None, max_prompt_tokens: int | None = None,
                      column: str = "prompt") -> Dataset:
     """Check the prompt column, drop empty and over-long prompts (counted and logged), return what is left.
@@ -76,20 +68,15 @@ def validate_prompts(dataset: Dataset, name: str, tokenizer=None, max_prompt_tok
     empty: list[int] = []
     too_long: list[int] = []
     for i, value in enumerate(dataset[column]):
-        if not (isinstance(value, str) or _is_messages(value)):
+        if not (isinstance(value, str) or (is_conversational(value) and value)):
             raise DatasetFormatError(
                 f"dataset {name!r} row {i}: {column!r} is {type(value).__name__} ({str(value)[:60]!r}); expected "
                 "text or a list of {'role', 'content'} chat messages")
-        if not _prompt_text(value).strip():
+        if not (value if isinstance(value, str) else "".join(str(m.get("content", "")) for m in value)).strip():
             empty.append(i)
             continue
         if max_prompt_tokens is not None:
-            if isinstance(value, str):
-                num_tokens = len(tokenizer(value, add_special_tokens=False)["input_ids"])
-            else:
-                num_tokens = len(tokenizer(tokenizer.apply_chat_template(value, add_generation_prompt=True,
-                                                                         tokenize=False),
-                                           add_special_tokens=False)["input_ids"])
+            num_tokens = len(tokenizer(prompt_text(value, tokenizer), add_special_tokens=False)["input_ids"])
             if num_tokens > max_prompt_tokens:
                 too_long.append(i)
                 continue
@@ -177,7 +164,7 @@ def gsm8k_reward(prompts: list, completions: list, final_answer: list[str], **kw
 
 
 def load_prompt_dataset(name: str = "builtin", split: str = "train", data_files=None, tokenizer=None,
-                        max_prompt_tokens: int | None = None, seed: int = 0) -> Dataset:
+                        max_prompt_tokens: int | None = None, seed: int = 0, config: str | None = None) -> Dataset:
     """Prompts for an RLHF run by name: "builtin" (the offline task), the TL;DR and GSM8k hub names above, or a
     local .json/.jsonl/.csv/.parquet file (any name, `data_files` given) with a `prompt` column."""
     if name == "builtin":
@@ -192,4 +179,5 @@ def load_prompt_dataset(name: str = "builtin", split: str = "train", data_files=
         return load_gsm8k(split, data_files, tokenizer, max_prompt_tokens)
     if data_files is None and os.path.exists(name):
         data_files = name
-    return validate_prompts(load_rows(name, split, data_files=data_files), name, tokenizer, max_prompt_tokens)
+    return validate_prompts(load_rows(name, split, config=config, data_files=data_files), name, tokenizer,
+                            max_prompt_tokens)

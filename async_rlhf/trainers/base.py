@@ -142,6 +142,7 @@ class AsyncTrainerBase(Trainer):
         self._step_batch: RolloutBatch | None = None
         self._loop_seconds = 0.0
         self._last_metrics: dict[str, float] = {}
+        self.extra_logs: dict[str, float] = {}  # merged into the next log (e.g. periodic gold evaluation, rank 0)
 
     # ---- data: tickets in, pipeline batches out ----------------------------------------------------------
     def get_train_dataloader(self) -> DataLoader:
@@ -349,6 +350,8 @@ class AsyncTrainerBase(Trainer):
             self._metrics.clear()
         if self.pipeline is not None and "train_loss" not in logs:
             logs = {**logs, **self.pipeline.stats()}
+        if self.extra_logs:
+            logs, self.extra_logs = {**logs, **self.extra_logs}, {}
         super().log(logs, start_time)
 
     def _summary(self, wall: float) -> dict:
