@@ -44,8 +44,8 @@ class RolloutPipeline:
         self.generator_model_path = generator_model_path
         self.engine_kwargs = engine_kwargs or {}
         self.queue = StalenessQueue(args.max_staleness)
-        self.pool: GeneratorPool | None = None
-        self.transport: ShmWeightTransport | None = None
+        self.pool = None  # GeneratorPool, or RemoteGeneratorPool with generator_servers
+        self.transport = None  # ShmWeightTransport, or BroadcastWeightTransport with generator_servers
         self.queued_version = 0  # newest weights sent to the generators
         self.next_dispatch = 0  # next batch id to send
         self.regenerated = 0
@@ -74,17 +74,29 @@ class RolloutPipeline:
             if batch.batch_id >= initial_version:
                 self.queue.put(batch)
         a = self.args
-        if a.weight_transport == "nccl":
-            raise NotImplementedError("weight_transport='nccl' needs the GPU transport (not in this build); use 'shm'")
-        self.transport = ShmWeightTransport(a.shm_dir)
-        specs = [
-            GeneratorSpec(generator_id=i, backend=a.generator_backend, model_path=self.generator_model_path,
-                          device=dev, seed=a.seed + i, threads=a.generator_threads,
-                          engine_kwargs=self.engine_kwargs, initial_version=initial_version)
-            for i, dev in enumerate(a.generator_devices)
-        ]
-        self.pool = GeneratorPool(specs, self._on_rollouts, a.generator_start_timeout, a.weight_sync_timeout,
-                                  a.generator_max_restarts)
+        if a.generator_servers:  # started elsewhere (generation/server.py); same face as the pool, weights by broadcast
+            import os
+
+            from async_rlhf.generation.remote import RemoteGeneratorPool
+            from async_rlhf.generation.wire import TOKEN_ENV
+            from async_rlhf.weight_sync.broadcast import BroadcastWeightTransport
+
+            self.transport = BroadcastWeightTransport(timeout=a.weight_sync_timeout)
+            self.pool = RemoteGeneratorPool(
+                a.generator_servers, self._on_rollouts, self.transport, self.generator_model_path, initial_version,
+                a.generator_start_timeout, a.weight_sync_timeout, token=os.environ.get(TOKEN_ENV, ""),
+                broadcast_backend=a.weight_broadcast_backend, broadcast_host=a.weight_broadcast_host,
+                broadcast_port=a.weight_broadcast_port)
+        else:
+            self.transport = ShmWeightTransport(a.shm_dir)
+            specs = [
+                GeneratorSpec(generator_id=i, backend=a.generator_backend, model_path=self.generator_model_path,
+                              device=dev, seed=a.seed + i, threads=a.generator_threads,
+                              engine_kwargs=self.engine_kwargs, initial_version=initial_version)
+                for i, dev in enumerate(a.generator_devices)
+            ]
+            self.pool = GeneratorPool(specs, self._on_rollouts, a.generator_start_timeout, a.weight_sync_timeout,
+                                      a.generator_max_restarts)
         try:
             self.pool.start()
         except BaseException:
@@ -95,10 +107,10 @@ class RolloutPipeline:
 
     def close(self) -> None:
         if self.pool is not None:
+            self.pool.close()  # first: it may still record the acknowledgements of the last weights
             self.load_seconds = sum(self.pool.load_seconds)
             self.loaded_versions = dict(self.pool.loaded_version)
             self.restarts = sum(self.pool.restarts.values())
-            self.pool.close()
             self.pool = None
         if self.transport is not None:
             self.transport.close()
@@ -222,5 +234,7 @@ class RolloutPipeline:
         if self.pool is not None:
             self.load_seconds = sum(self.pool.load_seconds)
             out["generator/version_loaded"] = float(self.pool.min_loaded_version())
+        if hasattr(self.transport, "send_seconds"):  # broadcast: the sender thread's time, off the learner's path
+            out["sync/broadcast_seconds"] = self.transport.send_seconds
         out["sync/load_seconds"] = self.load_seconds
         return out

@@ -51,15 +51,18 @@ class GenerationRequest:
 class WeightUpdate:
     """Learner -> generator: load the policy at `version`.
 
-    kind "shm": a safetensors file in RAM (/dev/shm) at `path`; kind "nccl": tensors arrive over the
-    torch.distributed group set up with the generator, in the order of `names`.
+    transport "shm": a safetensors file in RAM (/dev/shm) at `path`; "broadcast": tensors arrive over the
+    torch.distributed group set up with the generator (`weight_sync/broadcast.py`), one per entry of `names`, in
+    that order, each with the dtype and shape given here.
     """
 
     version: int
-    transport: str  # "shm" | "nccl"
+    transport: str  # "shm" | "broadcast"
     path: str = ""
-    names: list[str] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)  # [K] state_dict names
     num_bytes: int = 0
+    dtypes: list[str] = field(default_factory=list)  # [K] torch dtype names ("float32", ...); "broadcast" only
+    shapes: list[list[int]] = field(default_factory=list)  # [K] tensor shapes; "broadcast" only
     kind = "weights"
 
 

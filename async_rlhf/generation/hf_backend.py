@@ -86,9 +86,32 @@ class HFBackend:
 
     def load_weights(self, update: WeightUpdate) -> None:
         """Copy every tensor of the learner's state dict into the model; names must match exactly."""
-        if update.transport != "shm":
-            raise NotImplementedError(f"HFBackend loads weights over 'shm' only, got {update.transport!r}")
-        self.model.load_state_dict(load_file(update.path, device=str(self.device)), strict=True)
+        if update.transport == "shm":
+            self.model.load_state_dict(load_file(update.path, device=str(self.device)), strict=True)
+        elif update.transport == "broadcast":
+            from async_rlhf.weight_sync.broadcast import receive_weights
+
+            if self._group is None:
+                raise RuntimeError("a 'broadcast' weight update before join_weight_group")
+            self.model.load_state_dict(dict(receive_weights(self._group, update)), strict=True)
+        else:
+            raise NotImplementedError(f"HFBackend loads weights over 'shm' or 'broadcast', got {update.transport!r}")
+
+    num_workers = 1  # members this backend adds to a weight broadcast group
+    _group = None
+
+    def join_weight_group(self, info) -> None:
+        """Join learner rank 0's broadcast group as rank `info.rank` (`weight_sync.broadcast.GroupInfo`)."""
+        from async_rlhf.weight_sync.broadcast import WeightGroup
+
+        self.leave_weight_group()
+        self._group = WeightGroup(info, rank=info.rank)
+
+    def leave_weight_group(self) -> None:
+        if self._group is not None:
+            self._group.close()
+            self._group = None
 
     def close(self) -> None:
+        self.leave_weight_group()
         self.model = None

@@ -29,11 +29,11 @@ dtype: vLLM's "auto" runs a float32 checkpoint in bfloat16 (CPU and GPU alike). 
 from exactly the learner's fp32 policy: on the tiny model bf16 behaviour log-probs differ from the transformers
 forward by up to 3e-3, float32 ones by 5e-7.
 
-Weight updates: see `vllm_worker_extension.py` for why "shm" goes through the worker's `reload_weights`.
-"nccl" follows vLLM 0.32's own weight-transfer engine (`vllm/distributed/weight_transfer/nccl_engine.py`): the
-engine is built with `weight_transfer_config={"backend": "nccl"}`, the worker joins the learner's group once
-(`init_nccl_group`), and each update is `start_weight_update` / `update_weights` / `finish_weight_update`, the
-worker receiving one broadcast per parameter from rank 0 in the order of `update.names`.
+Weight updates: see `vllm_worker_extension.py` for why both transports go through the worker's `reload_weights`.
+"shm" reads a safetensors file; "broadcast" receives one tensor per entry of the update from learner rank 0 over a
+group the worker joined once (`join_weight_group`), gloo on CPU and NCCL on GPU (`weight_sync/broadcast.py`). This
+is the shape of vLLM 0.32's own weight-transfer engine (`vllm/distributed/weight_transfer/nccl_engine.py`), which
+is NCCL-only (PyNccl needs CUDA); ours runs the same code on CPU, which is what lets the tests exercise it.
 """
 
 from __future__ import annotations
@@ -85,7 +85,6 @@ class VLLMBackend:
             _check_cpu_head_size(model_path)
             kv_cache_memory_bytes = kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
         self.device = device
-        self._nccl_ready = False
         self._params = _state_dict_meta(model_path)
         self._llm: LLM | None = LLM(
             model=model_path,
@@ -99,7 +98,6 @@ class VLLMBackend:
             enable_prefix_caching=enable_prefix_caching,
             logprobs_mode="processed_logprobs",
             worker_extension_cls=EXTENSION,
-            weight_transfer_config={"backend": "nccl"} if device == "cuda" else None,
         )
 
     @property
@@ -141,10 +139,18 @@ class VLLMBackend:
             with safe_open(update.path, framework="pt") as f:  # reads the header only
                 self._check_names(list(f.keys()))
             self.llm.collective_rpc("load_safetensors_weights", args=(update.path,))
-        elif update.transport == "nccl":
-            self._receive_nccl(update)
+        elif update.transport == "broadcast":
+            from async_rlhf.weight_sync.broadcast import check_update_metadata
+
+            check_update_metadata(update)
+            self._check_names(update.names)
+            wrong = [(n, s, self._params[n][1]) for n, s in zip(update.names, update.shapes) if s != self._params[n][1]]
+            if wrong:
+                raise ValueError(f"weight update shapes differ from this model's (name, sent, expected): {wrong[:5]}")
+            self.llm.collective_rpc("load_broadcast_weights", kwargs={
+                "version": update.version, "names": update.names, "dtypes": update.dtypes, "shapes": update.shapes})
         else:
-            raise ValueError(f"unknown weight transport {update.transport!r}; expected 'shm' or 'nccl'")
+            raise ValueError(f"unknown weight transport {update.transport!r}; expected 'shm' or 'broadcast'")
         # Cached prefix blocks hold keys/values computed by the old weights.
         self.llm.reset_prefix_cache()
 
@@ -157,44 +163,18 @@ class VLLMBackend:
         if missing or unexpected:
             raise ValueError(f"weight update names differ: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
 
-    def init_nccl_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int) -> None:
-        """Join the learner's NCCL group (GPU only). The learner is rank 0 and must open its end at the same time
-        (`vllm.distributed.weight_transfer.nccl_common.trainer_init`); workers take ranks from `rank_offset`."""
-        self._require_cuda("init_nccl_group")
-        init_info = dict(
-            master_address=master_address,
-            master_port=master_port,
-            rank_offset=rank_offset,
-            world_size=world_size,
-            packed=False,  # one broadcast per tensor, in the order of `WeightUpdate.names`
-        )
-        self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
-        self._nccl_ready = True
+    @property
+    def num_workers(self) -> int:
+        """Members this engine adds to a weight broadcast group (one per tensor-parallel worker)."""
+        return self.llm.llm_engine.vllm_config.parallel_config.world_size
 
-    def _receive_nccl(self, update: WeightUpdate) -> None:
-        """Receive `update.names` by NCCL broadcast from rank 0 and load them (untested here: no GPU).
+    def join_weight_group(self, info) -> None:
+        """Join learner rank 0's broadcast group (`weight_sync.broadcast.GroupInfo`); each worker takes rank
+        `info.rank + its rank in the engine`. Blocks until the whole group has formed (at most `info.timeout`)."""
+        self.llm.collective_rpc("join_weight_group", kwargs={"info": info.to_dict()})
 
-        The worker allocates each receive buffer from a dtype and shape; `WeightUpdate` carries names only, so
-        they come from the model's config (the learner must broadcast in the checkpoint's dtype).
-        """
-        self._require_cuda("nccl weight transport")
-        if not self._nccl_ready:
-            raise RuntimeError("call init_nccl_group(...) before loading weights over nccl")
-        self._check_names(update.names)
-        update_info = {
-            "names": list(update.names),
-            "dtype_names": [self._params[n][0] for n in update.names],
-            "shapes": [self._params[n][1] for n in update.names],
-        }
-        self.llm.collective_rpc("start_weight_update")
-        self.llm.collective_rpc("update_weights", kwargs={"update_info": update_info})
-        self.llm.collective_rpc("finish_weight_update")
-
-    def _require_cuda(self, what: str) -> None:
-        if self.device != "cuda":
-            raise NotImplementedError(
-                f"{what} needs CUDA GPUs (NCCL); on CPU use WeightUpdate(transport='shm') instead"
-            )
+    def leave_weight_group(self) -> None:
+        self.llm.collective_rpc("leave_weight_group")
 
     def close(self) -> None:
         """Shut the engine down and free its memory. Idempotent."""

@@ -2,7 +2,9 @@
 
 vLLM builds its worker class from `worker_extension_cls` (a qualified name, because the worker may live in
 another process) and adds these methods to it. They run inside the worker, next to the model, so only a
-path or a few names cross the process boundary, never tensors.
+path or a few names cross the process boundary, never tensors. For the "broadcast" transport the worker itself is
+a member of learner rank 0's weight group (`weight_sync/broadcast.py`) and receives each tensor straight into its
+own memory (the GPU, with NCCL), feeding `reload_weights` one tensor at a time as it arrives.
 
 Why `reload_weights` and not `model.load_weights`: after the first load, vLLM's CPU build post-processes
 some layers (the linear weights are repacked for its kernels and lose their `weight_loader`), so a second
@@ -40,6 +42,8 @@ def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 class WeightSyncExtension:
     """Mixed into vLLM's worker class (so `self` is the worker: `self.reload_weights`, `self.model_runner`)."""
 
+    _weight_group = None
+
     def load_safetensors_weights(self, path: str) -> int:
         """Load every tensor of the safetensors file at `path` (HF names) into the model. Returns the count."""
         count = 0
@@ -51,4 +55,48 @@ class WeightSyncExtension:
                 yield name, tensor
 
         self.reload_weights(weights_iterator=counted())  # type: ignore[attr-defined]
+        return count
+
+    def join_weight_group(self, info: dict) -> None:
+        """Become rank `info["rank"]` + this worker's rank in the engine of the learner's broadcast group."""
+        from async_rlhf.weight_sync.broadcast import GroupInfo, WeightGroup
+
+        self.leave_weight_group()
+        group = GroupInfo.from_dict(info)
+        worker_rank = self.vllm_config.parallel_config.rank  # type: ignore[attr-defined]
+        self._weight_group = WeightGroup(group, rank=group.rank + worker_rank)
+
+    def leave_weight_group(self) -> None:
+        if self._weight_group is not None:
+            self._weight_group.close()
+            self._weight_group = None
+
+    def load_broadcast_weights(self, version: int, names: list[str], dtypes: list[str],
+                               shapes: list[list[int]]) -> int:
+        """Receive every tensor of weights `version` from rank 0 and load it. Returns the count.
+
+        Every announced tensor is received even if vLLM stopped asking early (it raises then): rank 0 broadcasts
+        them all, and a member that skipped one would pair the next broadcast with the wrong buffer."""
+        from async_rlhf.types import WeightUpdate
+        from async_rlhf.weight_sync.broadcast import receive_weights
+
+        if self._weight_group is None:
+            raise RuntimeError("load_broadcast_weights before join_weight_group")
+        update = WeightUpdate(version=version, transport="broadcast", names=names, dtypes=dtypes, shapes=shapes)
+        received = receive_weights(self._weight_group, update)
+        count = 0
+
+        def counted() -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal count
+            for name, tensor in received:
+                count += 1
+                yield name, tensor
+
+        try:
+            self.reload_weights(weights_iterator=counted())  # type: ignore[attr-defined]
+        finally:
+            skipped = sum(1 for _ in received)  # keep the group in step whatever happened above
+        if count != len(names):
+            raise RuntimeError(f"weights v{version}: vLLM loaded {count} of {len(names)} tensors ({skipped} received "
+                               "but never asked for)")
         return count

@@ -2,8 +2,9 @@
 
 `gather.py` collects the full policy weights on learner rank 0 (collective on every rank, so that sharded
 learners can take part); a transport publishes them and returns the `WeightUpdate` message that tells a
-generator where to find them. Transports implement `WeightTransport`: `shm.py` (RAM-backed safetensors, CPU)
-and, on GPU, a torch.distributed/NCCL group (`nccl.py`).
+generator where to find them. Two transports share that shape: `shm.py` (RAM-backed safetensors, for local
+generator processes) and `broadcast.py` (a torch.distributed group of its own, gloo on CPU and NCCL on GPU, for
+generator servers that may sit on other nodes).
 """
 
 from async_rlhf.weight_sync.gather import gather_full_state

@@ -176,10 +176,17 @@ def test_load_weights_rejects_bad_updates(vllm_backend, hf_backend, new_weights,
     with pytest.raises(ValueError, match="unknown weight transport"):
         vllm_backend.load_weights(WeightUpdate(version=1, transport="carrier-pigeon"))
     with pytest.raises(NotImplementedError):
-        hf_backend.load_weights(WeightUpdate(version=1, transport="nccl", names=["lm_head.weight"]))
-    if vllm_backend.device == "cpu":
-        with pytest.raises(NotImplementedError, match="CUDA"):
-            vllm_backend.load_weights(WeightUpdate(version=1, transport="nccl", names=["lm_head.weight"]))
+        hf_backend.load_weights(WeightUpdate(version=1, transport="carrier-pigeon"))
+    # "broadcast" needs the group first (weight_sync/broadcast.py; exercised in test_weight_broadcast.py)
+    with pytest.raises(RuntimeError, match="join_weight_group"):
+        hf_backend.load_weights(WeightUpdate(version=1, transport="broadcast"))
+    full = new_weights[1].state_dict()
+    update = WeightUpdate(version=1, transport="broadcast", names=list(full), dtypes=["float32"] * len(full),
+                          shapes=[list(t.shape) for t in full.values()])
+    with pytest.raises(Exception, match="join_weight_group"):
+        vllm_backend.load_weights(update)
+    with pytest.raises(ValueError, match="shapes differ"):
+        vllm_backend.load_weights(WeightUpdate(**{**update.__dict__, "shapes": [[1]] * len(full)}))
 
 
 def test_vllm_rejects_unsupported_cpu_head_size(tmp_path):

@@ -1,0 +1,200 @@
+"""Seconds per weight sync, by phase, for both transports: shared memory (local generators) and a gloo broadcast
+to a generator server (remote generators), against a plain tensor copy of the same bytes.
+
+    python benchmarks/weight_broadcast.py                      # tiny and ~100M-parameter Llamas (a few minutes)
+    python benchmarks/weight_broadcast.py --sizes tiny --repeats 5
+
+Phases, as the pipeline logs them (median of --repeats syncs after a warm-up; GB/s = state-dict bytes / seconds):
+  gather      learner rank 0: `gather_full_state` (the CPU copy of the weights, taken before the optimizer steps)
+  shm write   `ShmWeightTransport.publish`: safetensors into /dev/shm (blocks the learner)
+  shm load    the vLLM generator reloads from that file (`VLLMBackend.load_weights`)
+  bc send     the gloo broadcast of the same tensors to a process that only receives: the wire alone
+  bc load     a vLLM generator server receiving and reloading them tensor by tensor (receive and reload overlap;
+              off the learner's path: rank 0's sender thread broadcasts while training goes on)
+  bc sync     publish -> the server's acknowledgement, end to end
+  copy        one `tensor.copy_` of the same number of bytes: the memory-bandwidth floor
+The table has one line per transport: transfer is "shm write" or "bc send", load "shm load" or "bc load", sync the
+whole update as a generator sees it (shm: gather + write + load; broadcast: gather + bc sync), and blocked what
+the learner waits for (shm: gather + write; broadcast: gather, the rest runs on the sender thread). The shm
+numbers come from benchmarks/weight_load.py (one subprocess per size, its own engine); the broadcast ones from a
+real `python -m async_rlhf.generation.server` process driven by the trainer's own `RemoteGeneratorPool` over
+loopback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path[:0] = [ROOT, HERE]
+
+from weight_load import SIZES, median_seconds  # noqa: E402  (the shm half of this benchmark lives there)
+
+
+def build(size: str):
+    from async_rlhf.models import char_tokenizer, tiny_llama
+
+    hidden, layers, heads = SIZES[size]
+    tokenizer = char_tokenizer()
+    return tiny_llama(tokenizer, hidden_size=hidden, num_layers=layers, num_heads=heads, seed=0), tokenizer
+
+
+def _receive_only(info: dict, names: list, shapes: list, repeats: int, threads: int) -> None:
+    import torch
+
+    from async_rlhf.types import WeightUpdate
+    from async_rlhf.weight_sync.broadcast import GroupInfo, WeightGroup, receive_weights
+
+    torch.set_num_threads(threads)
+    group = WeightGroup(GroupInfo.from_dict(info), rank=1)
+    update = WeightUpdate(version=0, transport="broadcast", names=names, dtypes=["float32"] * len(names),
+                          shapes=shapes)
+    for _ in range(repeats + 1):
+        for _ in receive_weights(group, update):
+            pass
+    group.close()
+
+
+def broadcast_send_seconds(state: dict, repeats: int, threads: int) -> float:
+    """The wire alone: rank 0 broadcasts `state` to a spawned process that receives and drops it."""
+    from async_rlhf.weight_sync.broadcast import BroadcastWeightTransport
+
+    transport = BroadcastWeightTransport("gloo", timeout=600)
+    transport.listen("127.0.0.1")
+    proc = mp.get_context("spawn").Process(target=_receive_only, args=(
+        transport.member_info(1, 2).to_dict(), list(state), [list(t.shape) for t in state.values()], repeats,
+        threads), daemon=True)
+    proc.start()
+    try:
+        transport.open(2)
+        version = [0]
+
+        def send():
+            version[0] += 1
+            transport.publish(state, version[0])
+            transport.wait_sent(version[0], 600)
+
+        return median_seconds(send, repeats)
+    finally:
+        proc.join(60)
+        transport.close()
+
+
+def start_server(model_dir: str, threads: int) -> tuple[subprocess.Popen, str]:
+    from async_rlhf.generation.server import READY_LINE
+
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "async_rlhf.generation.server", "--model", model_dir, "--port",
+                             "0", "--dtype", "float32", "--kv_cache_memory_mb", "64", "--threads", str(threads)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        if line.startswith(READY_LINE):
+            threading_drain(proc)
+            return proc, line[len(READY_LINE):].split()[0]
+    raise RuntimeError(f"generator server exited with {proc.wait()} before it was ready")
+
+
+def threading_drain(proc: subprocess.Popen) -> None:
+    """Keep reading the server's log so a full pipe never blocks it."""
+    import threading
+
+    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+
+
+def measure_broadcast(size: str, repeats: int, threads: int) -> dict:
+    import torch
+
+    from async_rlhf.generation.remote import RemoteGeneratorPool
+    from async_rlhf.weight_sync import gather_full_state
+    from async_rlhf.weight_sync.broadcast import BroadcastWeightTransport
+
+    torch.set_num_threads(threads)
+    model, tokenizer = build(size)
+    state = gather_full_state(model, True)
+    num_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    row = {"size": size, "params": sum(t.numel() for t in state.values()), "mb": num_bytes / 1e6,
+           "gather": median_seconds(lambda: gather_full_state(model, True), repeats),
+           "bc_send": broadcast_send_seconds(state, repeats, threads)}
+    with tempfile.TemporaryDirectory() as model_dir:
+        model.save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
+        server, address = start_server(model_dir, threads)
+        transport = BroadcastWeightTransport("gloo", timeout=600)
+        pool = RemoteGeneratorPool([address], lambda batch: None, transport, model_dir, 0, 600, 600)
+        try:
+            pool.start()  # pushes v0: the warm-up
+            ends, loads = [], []
+            for version in range(1, repeats + 1):
+                t0 = time.perf_counter()
+                pool.send_weights(transport.publish(state, version))
+                while pool.min_loaded_version() < version:
+                    pool.check()
+                    time.sleep(0.0005)
+                ends.append(time.perf_counter() - t0)
+                loads.append(pool.load_seconds[-1])
+            row["bc_load"], row["bc_sync"] = statistics.median(loads), statistics.median(ends)
+        finally:
+            pool.close()
+            transport.close()
+            server.send_signal(signal.SIGTERM)
+            server.wait(60)
+    return row
+
+
+def measure_shm(size: str, repeats: int, threads: int) -> dict:
+    cmd = [sys.executable, os.path.join(HERE, "weight_load.py"), "--one", size, "--repeats", str(repeats)]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": ROOT})
+    lines = [line for line in out.stdout.splitlines() if line.startswith("ROW ")]
+    if out.returncode != 0 or not lines:
+        sys.exit(f"{size}: weight_load.py failed\n{out.stderr[-3000:]}")
+    r = json.loads(lines[-1][4:])
+    return {"shm_write": r["save"], "shm_load": r["vllm"], "copy": r["copy"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", nargs="+", default=["tiny", "100M"], choices=list(SIZES))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch/OMP threads of every measuring process")
+    args = parser.parse_args()
+    rows = []
+    for size in args.sizes:
+        row = measure_broadcast(size, args.repeats, args.threads)
+        row.update(measure_shm(size, args.repeats, args.threads))
+        rows.append(row)
+        print("ROW " + json.dumps(row), flush=True)
+
+    print(f"\n{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, threads {args.threads}, load "
+          f"average {os.getloadavg()[0]:.1f}, median of {args.repeats}")
+    print_table(rows)
+
+
+def print_table(rows: list[dict]) -> None:
+    """One line per size and transport: seconds and GB/s per phase; `blocked` is what the learner waits for."""
+    print(f"{'size':>5} {'MB':>6} {'transport':>9} | {'gather s':>9} {'GB/s':>5} | {'transfer s':>10} {'GB/s':>5} | "
+          f"{'load s':>7} {'GB/s':>5} | {'sync s':>7} {'GB/s':>5} | {'blocked s':>9}")
+    for r in rows:
+        gb = r["mb"] / 1e3
+        lines = [("shm", r["shm_write"], r["shm_load"], r["gather"] + r["shm_write"] + r["shm_load"],
+                  r["gather"] + r["shm_write"]),
+                 ("broadcast", r["bc_send"], r["bc_load"], r["gather"] + r["bc_sync"], r["gather"])]
+        for name, transfer, load, total, blocked in lines:
+            print(f"{r['size']:>5} {r['mb']:>6.1f} {name:>9} | {r['gather']:>9.4f} {gb / r['gather']:>5.2f} | "
+                  f"{transfer:>10.4f} {gb / transfer:>5.2f} | {load:>7.4f} {gb / load:>5.2f} | {total:>7.4f} "
+                  f"{gb / total:>5.2f} | {blocked:>9.4f}")
+        print(f"{r['size']:>5} {r['mb']:>6.1f} {'copy':>9} | {'':>15} | {r['copy']:>10.4f} {gb / r['copy']:>5.2f} |")
+
+if __name__ == "__main__":
+    main()
