@@ -17,7 +17,8 @@ Guarantees and timeouts (every wait is bounded; each error names the stage and t
 * a wrong or missing token, a busy server or a protocol mismatch is refused by the server, and `start` raises
   `GeneratorFailed` with the server's reason;
 * `check` raises `StageTimeout` when a server has not acknowledged weights within `weight_sync_timeout`, and
-  `GeneratorFailed` when a server reported an error or its connection closed. Remote servers are not restarted by
+  `GeneratorFailed` when a server reported an error, its connection closed or the broadcast to it failed (which
+  it does at once when a member's socket closes, and after `weight_sync_timeout` otherwise). Remote servers are not restarted by
   the trainer (it did not start them, and the broadcast group cannot lose a member): restart the server and resume
   from the last checkpoint.
 """
@@ -231,7 +232,7 @@ class RemoteGeneratorPool:
                     conn.exchange({}, "group_joined", 1.0, "weight sync")
                 except (StageTimeout, GeneratorFailed) as why:
                     reasons.append(str(why))
-            raise WeightBroadcastError(f"{exc}\n" + "\n".join(reasons)) from None
+            raise GeneratorFailed(f"{exc}\n" + "\n".join(reasons)) from None
         for conn in self.connections:
             conn.exchange({}, "group_joined", max(1.0, deadline - time.monotonic()), "weight sync")
         logger.info("weight broadcast group formed: %d members over %s at %s:%d", world_size, backend,
@@ -272,7 +273,6 @@ class RemoteGeneratorPool:
     # ---- health --------------------------------------------------------------------------------------
     def check(self) -> None:
         """Raise if a server failed or a weight update is overdue. Main thread only."""
-        self.transport.check()
         now = time.monotonic()
         with self._lock:
             for gid, reason in self._failed.items():
@@ -280,6 +280,11 @@ class RemoteGeneratorPool:
                 raise GeneratorFailed(
                     f"generator server {gid} ({spec.address}) failed: {reason}\nRemote servers are not restarted by "
                     "the trainer: restart the server and resume from the last checkpoint.")
+        try:
+            self.transport.check()
+        except WeightBroadcastError as exc:  # as a generator failure, so the pipeline handles it like any other
+            raise GeneratorFailed(f"{exc}\n(generator servers in the group: "
+                                  f"{', '.join(s.address for s in self.specs)})") from None
             for (gid, version), sent in self._pending_acks.items():
                 if now - sent > self.weight_sync_timeout:
                     raise StageTimeout(

@@ -36,9 +36,22 @@ def server(tmp_path_factory):
     pytest.importorskip("vllm")
     model_dir = save_tiny_model(str(tmp_path_factory.mktemp("server_model")))
     token = secrets.token_hex(16)
+    proc, address, log = _start_server(model_dir, token, "--dtype", "float32", "--kv_cache_memory_mb", "64")
+    yield address, token, model_dir
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise AssertionError("server did not stop within 60 s of SIGTERM:\n" + "".join(log[-50:]))
+
+
+def _start_server(model_dir: str, token: str, *extra: str) -> tuple[subprocess.Popen, str, list[str]]:
+    """A generator server process; returns it, its address and its log so far (kept filling by a thread)."""
     env = {**os.environ, wire.TOKEN_ENV: token, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "async_rlhf.generation.server", "--model", model_dir, "--port", "0",
-           "--dtype", "float32", "--kv_cache_memory_mb", "64", "--threads", "1"]
+           "--threads", "1", *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     lines: queue.Queue = queue.Queue()
@@ -51,33 +64,25 @@ def server(tmp_path_factory):
         lines.put(None)
 
     threading.Thread(target=pump, daemon=True).start()
-    address = None
     try:
-        while address is None:
-            line = lines.get(timeout=300)  # engine start: 20-50 s here, much more on a busy machine
+        while True:
+            line = lines.get(timeout=300)  # vLLM engine start: 20-50 s here, much more on a busy machine
             assert line is not None, "server exited before it was ready:\n" + "".join(log[-50:])
             if line.startswith(READY_LINE):
-                address = line[len(READY_LINE):].split()[0]
+                return proc, line[len(READY_LINE):].split()[0], log
     except queue.Empty:
         os.killpg(proc.pid, signal.SIGKILL)
-        raise AssertionError("server not ready within 300 s:\n" + "".join(log[-50:]))
-    yield address, token, model_dir
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        raise AssertionError("server did not stop within 60 s of SIGTERM:\n" + "".join(log[-50:]))
+        raise AssertionError("server not ready within 300 s:\n" + "".join(log[-50:])) from None
 
 
-def _train(tmp_path, address: str, model_dir: str, staleness: int, steps: int) -> tuple[dict, list[dict]]:
+def _train(tmp_path, address: str, model_dir: str, staleness: int, steps: int, reward=lowercase_reward
+           ) -> tuple[dict, list[dict]]:
     config = AsyncOnlineDPOConfig(
         output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=4, num_generations=2,
         max_new_tokens=8, max_length=48, generator_servers=[address], max_staleness=staleness, learning_rate=1e-2,
         lr_scheduler_type="constant", temperature=1.0, disable_tqdm=True, seed=0, generator_start_timeout=120,
         weight_sync_timeout=120, rollout_timeout=120)
-    trainer = AsyncOnlineDPOTrainer(model_dir, reward_funcs=lowercase_reward, args=config,
+    trainer = AsyncOnlineDPOTrainer(model_dir, reward_funcs=reward, args=config,
                                     train_dataset=toy_prompts(64))
     trainer.train()
     summary = json.loads((tmp_path / "run_summary.json").read_text())
@@ -130,3 +135,30 @@ def test_wrong_token_is_refused(server, tmp_path, monkeypatch):
         sock.sendall(len(body).to_bytes(4, "big") + body)
         with pytest.raises((wire.ConnectionClosed, ConnectionResetError)):
             wire.recv_frame(sock)  # dropped without an answer: it was not JSON
+
+
+def test_a_server_that_dies_fails_the_run_naming_it(tmp_path, monkeypatch):
+    """The server is killed (SIGKILL) while the trainer runs: the run fails within seconds, naming the server, instead
+    of waiting for rollouts that will never come. (A transformers-backend server: starts in seconds; the failure
+    handling is the trainer's, the same for any engine.)"""
+    import time
+
+    model_dir = save_tiny_model(str(tmp_path / "model"))
+    monkeypatch.setenv(wire.TOKEN_ENV, "t0ken")
+    proc, address, log = _start_server(model_dir, "t0ken", "--backend", "transformers")
+    calls = []
+
+    def reward_that_kills_the_server(prompts, completions, **kwargs):
+        calls.append(time.monotonic())
+        if len(calls) == 3:  # during the third step
+            os.killpg(proc.pid, signal.SIGKILL)
+        return lowercase_reward(prompts, completions, **kwargs)
+
+    try:
+        with pytest.raises(GeneratorFailed, match=f"generator server.*{address}"):
+            _train(tmp_path / "run", address, model_dir, staleness=1, steps=50, reward=reward_that_kills_the_server)
+        assert time.monotonic() - calls[2] < 60, "the failure took longer than a minute to surface"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
