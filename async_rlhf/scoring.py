@@ -29,7 +29,9 @@ def reward_name(func) -> str:
 
 class RewardScorer:
     def __init__(self, reward_funcs, reward_weights=None, reward_processing_classes=None,
-                 missing_eos_penalty: float | None = None, failure: str = "raise", device="cpu"):
+                 missing_eos_penalty: float | None = None, failure: str = "raise", device="cpu", prepare_model=None):
+        """`prepare_model(model) -> callable model` places a reward model (the trainer passes one that wraps it in a
+        DeepSpeed inference engine under DeepSpeed); default: move it to `device`."""
         funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         if not funcs or any(f is None for f in funcs):
             raise ValueError("reward_funcs: at least one reward function or reward model is required")
@@ -37,22 +39,26 @@ class RewardScorer:
         procs = procs if isinstance(procs, (list, tuple)) else [procs] * len(funcs)
         self.funcs: list[Any] = []
         self.tokenizers: list[Any] = []
+        self.is_model: list[bool] = []
+        self.names: list[str] = []
         for f, proc in zip(funcs, procs):
             if isinstance(f, str):
                 proc = proc or AutoTokenizer.from_pretrained(f)
                 f = AutoModelForSequenceClassification.from_pretrained(f, num_labels=1)
-            if isinstance(f, PreTrainedModel):
-                f = f.to(device).eval().requires_grad_(False)
+            is_model = isinstance(f, PreTrainedModel)
+            self.names.append(reward_name(f))
+            if is_model:
                 proc = proc or AutoTokenizer.from_pretrained(f.config._name_or_path)
+                f = prepare_model(f) if prepare_model else f.to(device).eval().requires_grad_(False)
             elif not callable(f):
                 raise TypeError(f"reward_funcs: {f!r} is not a callable, a model or a path")
             self.funcs.append(f)
             self.tokenizers.append(proc)
+            self.is_model.append(is_model)
         weights = reward_weights if reward_weights is not None else [1.0] * len(self.funcs)
         if len(weights) != len(self.funcs):
             raise ValueError(f"reward_weights: {len(weights)} weight(s) for {len(self.funcs)} reward function(s)")
         self.weights = torch.tensor(weights, dtype=torch.float32)
-        self.names = [reward_name(f) for f in self.funcs]
         self.missing_eos_penalty = missing_eos_penalty
         self.failure = failure
         self.device = device
@@ -69,9 +75,9 @@ class RewardScorer:
         """Returns (scores [N] float tensor, NaN where skipped; per-function raw scores {name: [N]})."""
         per_func: dict[str, list[float]] = {}
         total = torch.zeros(len(completions))
-        for func, tok, name, w in zip(self.funcs, self.tokenizers, self.names, self.weights):
+        for func, tok, name, w, is_model in zip(self.funcs, self.tokenizers, self.names, self.weights, self.is_model):
             try:
-                if isinstance(func, PreTrainedModel):
+                if is_model:
                     values = self._model_scores(func, tok, prompts, completions)
                 else:
                     values = func(prompts=prompts, completions=completions, completion_ids=completion_ids,

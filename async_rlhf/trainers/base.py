@@ -10,7 +10,6 @@ summary, shutting every process down) lives here.
 from __future__ import annotations
 
 import collections
-import copy
 import json
 import math
 import os
@@ -25,10 +24,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCa
 
 from async_rlhf import checkpointing
 from async_rlhf.config import AsyncRLConfig, ConfigError
+from async_rlhf.learner import prepare_frozen, reference_model
 from async_rlhf.pipeline import RolloutPipeline
 from async_rlhf.prompts import check_prompt_dataset, prompt_text, tokenize_prompts
 from async_rlhf.scoring import RewardScorer
 from async_rlhf.types import RolloutBatch, SamplingSettings, ScoredGroup
+from async_rlhf.weight_sync import gather_full_state
 
 
 class _StepTickets(torch.utils.data.Dataset):
@@ -115,8 +116,8 @@ class AsyncTrainerBase(Trainer):
             processing_class.pad_token = processing_class.eos_token
         if isinstance(ref_model, str):
             ref_model = AutoModelForCausalLM.from_pretrained(ref_model, **init_kwargs)
-        elif ref_model is None:
-            ref_model = copy.deepcopy(model)
+        elif ref_model is None:  # under ZeRO-3 loaded again (partitioned), not copied: see learner.py
+            ref_model = reference_model(model, self._source_model_path, init_kwargs)
         ref_model.eval().requires_grad_(False)
         if args.disable_dropout:
             _disable_dropout(model)
@@ -132,9 +133,10 @@ class AsyncTrainerBase(Trainer):
                          train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
                          compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers,
                          preprocess_logits_for_metrics=preprocess_logits_for_metrics)
-        self.ref_model = ref_model.to(self.accelerator.device)
+        self.ref_model = prepare_frozen(ref_model, self.accelerator)  # a DeepSpeed engine under DeepSpeed
         self.scorer = RewardScorer(reward_funcs, args.reward_weights, reward_processing_classes,
-                                   args.missing_eos_penalty, args.reward_failure, device=self.accelerator.device)
+                                   args.missing_eos_penalty, args.reward_failure, device=self.accelerator.device,
+                                   prepare_model=lambda m: prepare_frozen(m, self.accelerator))
         self.pipeline: RolloutPipeline | None = None
         self.add_callback(_PipelineHooks(self))
         self._metrics: dict[str, list[float]] = collections.defaultdict(list)
@@ -243,8 +245,9 @@ class AsyncTrainerBase(Trainer):
         if src and os.path.isfile(os.path.join(src, "config.json")):
             return src, False
         path = tempfile.mkdtemp(prefix="async_rlhf-init-", dir=self.args.shm_dir)
+        state = gather_full_state(self.model, self.accelerator.is_main_process)  # collective under ZeRO-3
         if self.accelerator.is_main_process:
-            self.accelerator.unwrap_model(self.model).save_pretrained(path)
+            self.accelerator.unwrap_model(self.model).save_pretrained(path, state_dict=state)
             self.processing_class.save_pretrained(path)
         return path, True
 
@@ -381,6 +384,9 @@ class AsyncTrainerBase(Trainer):
             "rewards_skipped": self.scorer.skipped,
             "max_staleness": a.max_staleness,
             "sync_every": a.sync_every,
+            "learners": {"processes": self.accelerator.num_processes,
+                         "distributed_type": self.accelerator.distributed_type.value,
+                         "zero_stage": getattr(self.accelerator.state.deepspeed_plugin, "zero_stage", None)},
             "final": {k: v for k, v in self._last_metrics.items()
                       if k in ("objective/scores", "objective/kl", "objective/rlhf_reward", "loss")},
         }

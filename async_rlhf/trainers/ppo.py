@@ -47,6 +47,10 @@ class AsyncPPOTrainer(AsyncTrainerBase):
                          eval_dataset=eval_dataset, processing_class=processing_class,
                          reward_processing_classes=reward_processing_classes, peft_config=peft_config,
                          callbacks=callbacks, optimizers=optimizers)
+        if self.is_deepspeed_enabled:  # accelerate drives one DeepSpeed engine per Accelerator: the policy's
+            raise NotImplementedError("AsyncPPOTrainer under DeepSpeed: the critic would need a second DeepSpeed "
+                                      "engine with its own optimizer, which is not supported yet; run PPO with DDP, "
+                                      "or RLOO / online DPO under DeepSpeed")
         critic = value_model if value_model is not None else build_critic(self.model)
         optimizer = torch.optim.AdamW(critic.parameters(), lr=self.args.learning_rate)
         self.critic, self.critic_optimizer = self.accelerator.prepare(critic, optimizer)
