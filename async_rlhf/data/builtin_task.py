@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from datasets import Dataset, DatasetDict
 
-TASK_VERSION = 1
+TASK_VERSION = 2
 
 TOPICS: dict[str, tuple[str, ...]] = {
     "relationships": ("girlfriend", "boyfriend", "wife", "husband", "date", "wedding", "breakup", "parents",
@@ -80,9 +80,12 @@ class OracleNoise:
 
 # Human references: good, but flawed about half the time, so a good policy wins well over 50% against them.
 REFERENCE_NOISE = OracleNoise(drop_key=0.08, add_filler=0.2, add_distractor=0.15, swap=0.15, opener=0.0, ramble=0.0)
-# SFT demonstrations: a sloppier pool whose usual style opens with a filler word and often rambles.
-DEMONSTRATION_NOISE = OracleNoise(drop_key=0.1, add_filler=0.2, add_distractor=0.2, swap=0.15, opener=0.35,
-                                  ramble=0.3)
+# SFT demonstrations: mostly right in content but with a house style the gold reward dislikes: most open with a
+# filler word from the post ("my cat vet."), so the SFT policy's greedy summary does too. Like the paper's SFT
+# policy, it writes plausible summaries that lose to the references about two times in three, and RLHF has a
+# clear, learnable preference to find (drop the opener, keep the key words).
+DEMONSTRATION_NOISE = OracleNoise(drop_key=0.05, add_filler=0.1, add_distractor=0.1, swap=0.1, opener=0.6,
+                                  ramble=0.15)
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,10 @@ class _StepTickets(torch.utils.data.Dataset):
 class _PipelineHooks(TrainerCallback):
     def __init__(self, trainer: "AsyncTrainerBase"):
         self.trainer = trainer
+        self._t0 = time.perf_counter()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._t0 = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
         self.trainer.after_optimizer_step()
@@ -60,7 +64,9 @@ class _PipelineHooks(TrainerCallback):
         if state.is_world_process_zero and logs is not None:
             os.makedirs(args.output_dir, exist_ok=True)
             with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps({"step": state.global_step, **logs}) + "\n")
+                # elapsed_seconds: since this process's train() began (a resumed run starts again from 0)
+                record = {"step": state.global_step, "elapsed_seconds": round(time.perf_counter() - self._t0, 3)}
+                f.write(json.dumps({**record, **logs}) + "\n")
 
 
 def _disable_dropout(model: torch.nn.Module) -> None:
@@ -280,6 +286,8 @@ class AsyncTrainerBase(Trainer):
         return str(resume_from_checkpoint)
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        if self.accelerator.device.type == "cpu":
+            torch.set_num_threads(self.args.cpu_learner_threads())
         checkpoint = self._resolve_checkpoint(resume_from_checkpoint)
         restored = {"version": 0, "pending": [], "counters": {}}
         if checkpoint is not None:  # validated before any generator starts

@@ -22,7 +22,8 @@ from async_rlhf.models import tiny_llama  # noqa: E402
 @pytest.fixture(scope="module")
 def sft_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("sft")
-    sft_recipe.main(["--output_dir", str(out), "--steps", "200", "--num_examples", "2048", "--batch_size", "32",
+    sft_recipe.main(["--output_dir", str(out), "--steps", "200", "--num_layers", "2", "--num_examples", "2048",
+                     "--batch_size", "32",
                      "--eval_prompts", "128"])
     return out
 
