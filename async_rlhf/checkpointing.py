@@ -61,7 +61,9 @@ def latest_complete_checkpoint(output_dir: str) -> str | None:
     return max(found)[1] if found else None
 
 
-def _batch(d: dict) -> RolloutBatch:
+def batch_from_dict(d: dict) -> RolloutBatch:
+    """The inverse of `dataclasses.asdict(batch)` (checkpoints, and batches sent to other learner ranks)."""
+    d = dict(d)
     comps = [[Completion(**c) for c in group] for group in d.pop("completions")]
     return RolloutBatch(completions=comps, **d)
 
@@ -77,7 +79,7 @@ def load_pipeline_state(directory: str, identity: dict) -> dict:
     try:
         with open(path) as f:
             state = json.load(f)
-        pending = [_batch(b) for b in state["pending"]]
+        pending = [batch_from_dict(b) for b in state["pending"]]
         version = int(state["version"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"resume_from_checkpoint: {path} is unreadable or truncated: {exc}") from exc

@@ -19,14 +19,17 @@ after v was queued.
 from __future__ import annotations
 
 import collections
+import dataclasses
+import json
 import time
 
 import torch
 
-from async_rlhf.generation.pool import GeneratorPool
+from async_rlhf.checkpointing import batch_from_dict
+from async_rlhf.generation.pool import GeneratorFailed, GeneratorPool
 from async_rlhf.generation.worker import GeneratorSpec
 from async_rlhf.prompt_stream import PromptStream
-from async_rlhf.staleness_queue import StalenessQueue
+from async_rlhf.staleness_queue import StageTimeout, StalenessQueue
 from async_rlhf.types import GenerationRequest, RolloutBatch, SamplingSettings
 from async_rlhf.weight_sync import ShmWeightTransport, gather_full_state
 
@@ -118,24 +121,39 @@ class RolloutPipeline:
 
     # ---- the step protocol -------------------------------------------------------------------------------
     def batch_for_step(self, step: int) -> RolloutBatch:
-        batch = None
+        """Batch `step` on every rank. A generator failure or a timeout on rank 0 is raised on every rank (the
+        same type and message), so all ranks leave the loop at the same step and can checkpoint together."""
+        batch, failure = None, None
         if self.is_main:
             self.total_steps = max(self.total_steps, step + 1)  # the Trainer may run past max_steps (resume)
             t0 = time.perf_counter()
-            while batch is None:
-                self._dispatch()
-                batch = self.queue.get(step, learner_version=step, timeout=self.args.rollout_timeout,
-                                       poll=self.pool.check)
-                if batch is None:  # arrived too stale: regenerate with the current weights
-                    self.regenerated += 1
-                    self._send(step)
-            self.timers["wait"] += time.perf_counter() - t0
-            self.gen_tokens += batch.num_tokens
-            self.gen_seconds += batch.seconds
+            try:
+                while batch is None:
+                    self._dispatch()
+                    batch = self.queue.get(step, learner_version=step, timeout=self.args.rollout_timeout,
+                                           poll=self.pool.check)
+                    if batch is None:  # arrived too stale: regenerate with the current weights
+                        self.regenerated += 1
+                        self._send(step)
+            except (GeneratorFailed, StageTimeout) as exc:
+                if self.accelerator.num_processes == 1:
+                    raise
+                failure = exc
+            else:
+                self.timers["wait"] += time.perf_counter() - t0
+                self.gen_tokens += batch.num_tokens
+                self.gen_seconds += batch.seconds
         if self.accelerator.num_processes > 1:
-            box = [batch]
-            torch.distributed.broadcast_object_list(box, src=0)
-            batch = box[0]
+            message = None
+            if self.is_main:
+                message = ({"failure": type(failure).__name__, "message": str(failure)} if failure is not None
+                           else {"batch": dataclasses.asdict(batch)})
+            message = broadcast_json(message, self.accelerator.device)
+            if "failure" in message:
+                if failure is not None:
+                    raise failure
+                raise {"GeneratorFailed": GeneratorFailed}.get(message["failure"], StageTimeout)(message["message"])
+            batch = batch_from_dict(message["batch"])
         self._last_batch = batch
         return batch
 
@@ -238,3 +256,19 @@ class RolloutPipeline:
             out["sync/broadcast_seconds"] = self.transport.send_seconds
         out["sync/load_seconds"] = self.load_seconds
         return out
+
+
+def broadcast_json(message: dict | None, device) -> dict:
+    """Rank 0's `message` on every rank, sent as JSON bytes over the default group: learner ranks may sit on other
+    machines, and nothing received from the network is unpickled (`broadcast_object_list` would unpickle)."""
+    is_src = torch.distributed.get_rank() == 0
+    if is_src:
+        data = torch.frombuffer(bytearray(json.dumps(message).encode()), dtype=torch.uint8).to(device)
+        size = torch.tensor([data.numel()], dtype=torch.long, device=device)
+    else:
+        size = torch.zeros(1, dtype=torch.long, device=device)
+    torch.distributed.broadcast(size, src=0)
+    if not is_src:
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    torch.distributed.broadcast(data, src=0)
+    return json.loads(data.cpu().numpy().tobytes())

@@ -14,7 +14,6 @@ memory: fine for the small models this fallback is for, heavy for a 150k vocabul
 from __future__ import annotations
 
 import torch
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from async_rlhf.types import Completion, SamplingSettings, WeightUpdate
@@ -87,7 +86,10 @@ class HFBackend:
     def load_weights(self, update: WeightUpdate) -> None:
         """Copy every tensor of the learner's state dict into the model; names must match exactly."""
         if update.transport == "shm":
-            self.model.load_state_dict(load_file(update.path, device=str(self.device)), strict=True)
+            from async_rlhf.generation.vllm_worker_extension import iter_safetensors  # no vLLM import
+
+            # not safetensors' load_file: it leaves objects behind on every read (see iter_safetensors)
+            self.model.load_state_dict(dict(iter_safetensors(update.path)), strict=True)
         elif update.transport == "broadcast":
             from async_rlhf.weight_sync.broadcast import receive_weights
 

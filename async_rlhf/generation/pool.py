@@ -148,10 +148,12 @@ class GeneratorPool:
     def _restart(self, i: int, reason: str) -> None:
         spec = self.specs[i]
         gid = spec.generator_id
-        last_error = self._errors.get(gid, "")
         if self.restarts[gid] >= self.max_restarts:
+            deadline = time.monotonic() + 2.0  # its report was sent before it exited; the reader may not have it yet
+            while gid not in self._errors and time.monotonic() < deadline:
+                time.sleep(0.05)
             raise GeneratorFailed(f"generator {gid} ({spec.device}) {reason}; restarts exhausted "
-                                  f"({self.max_restarts}). Last error:\n{last_error or '(none reported)'}")
+                                  f"({self.max_restarts}). Last error:\n{self._errors.get(gid) or '(none reported)'}")
         self.restarts[gid] += 1
         logger.warning("generator %d (%s) %s; restarting (%d/%d) and re-issuing %d request(s)", gid, spec.device,
                        reason, self.restarts[gid], self.max_restarts, len(self._in_flight[gid]))

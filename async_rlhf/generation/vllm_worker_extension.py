@@ -16,27 +16,45 @@ into vLLM's parameters would not: on CPU the linear kernels keep their own repac
 
 Cost (benchmarks/weight_load.py, 2 shared cores): a 100M-parameter fp32 model (416 MB) reloads in 0.25-0.45 s,
 1-1.7 GB/s against 4.5-11 GB/s for a bare `copy_` of the same bytes; the time goes to the layerwise
-re-processing, not to reading the file. Reading through `safe_open` (memory-mapped) rather than `load_file`
+re-processing, not to reading the file. Reading one tensor at a time (`iter_safetensors`) rather than `load_file`
 takes about the same time but never holds a second full copy of the state dict.
 """
 
 from __future__ import annotations
 
+import json
+import struct
 from collections.abc import Iterator
 
 import torch
-from safetensors import safe_open
+
+# safetensors dtype codes (https://github.com/huggingface/safetensors, "Format")
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+           "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
 def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(name, tensor)` from a safetensors file without reading it whole first.
+    """Yield `(name, tensor)` from a safetensors file, one tensor in memory at a time, in name order.
 
-    `safe_open` memory-maps the file; on /dev/shm its pages already sit in RAM, so each `get_tensor` is a
-    single copy out of the page cache and peak extra memory is one tensor, not the whole state dict.
+    The format is an 8-byte little-endian header length, a JSON header ({name: dtype, shape, data_offsets}),
+    then the raw bytes; each tensor is read straight into a fresh buffer (on /dev/shm, one copy out of the page
+    cache). Not `safe_open(...).get_tensor`: safetensors 0.8 leaves two Python objects behind per tensor read,
+    so a generator reloading weights every step grew without bound (benchmarks/soak.py;
+    tests/unit/test_weight_file_reader.py measures it).
     """
-    with safe_open(path, framework="pt", device="cpu") as f:
-        for name in f.keys():
-            yield name, f.get_tensor(name)
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+        header.pop("__metadata__", None)
+        for name in sorted(header):
+            info = header[name]
+            begin, end = info["data_offsets"]
+            data = torch.empty(end - begin, dtype=torch.uint8)
+            f.seek(8 + size + begin)
+            if f.readinto(data.numpy()) != end - begin:
+                raise ValueError(f"{path}: tensor {name!r} is truncated")
+            yield name, data.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
 
 
 class WeightSyncExtension:

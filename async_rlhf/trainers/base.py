@@ -24,12 +24,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCa
 
 from async_rlhf import checkpointing
 from async_rlhf.config import AsyncRLConfig, ConfigError
+from async_rlhf.generation.pool import GeneratorFailed
 from async_rlhf.learner import prepare_frozen, reference_model
 from async_rlhf.pipeline import RolloutPipeline
 from async_rlhf.prompts import check_prompt_dataset, prompt_text, tokenize_prompts
 from async_rlhf.scoring import RewardScorer
+from async_rlhf.staleness_queue import StageTimeout
 from async_rlhf.types import RolloutBatch, SamplingSettings, ScoredGroup
 from async_rlhf.weight_sync import gather_full_state
+
+LOG_HISTORY_KEPT = 100  # entries of `state.log_history` kept in memory; metrics.jsonl holds them all
 
 
 class _StepTickets(torch.utils.data.Dataset):
@@ -76,6 +80,14 @@ def _disable_dropout(model: torch.nn.Module) -> None:
 
 
 def _check_generator_devices(args: AsyncRLConfig) -> None:
+    if getattr(args, "generator_servers", None):  # remote generators: their devices are the servers' business
+        return
+    count = torch.cuda.device_count()
+    missing = [d for d in args.generator_devices if d.startswith("cuda:") and int(d[5:]) >= count]
+    if missing:
+        valid = ["cpu"] + [f"cuda:{i}" for i in range(count)]
+        raise ConfigError(f"generator_devices: {missing} not on this machine, which has {count} GPU(s); "
+                          f"valid devices here: {valid}")
     if args.device.type != "cuda":
         return
     learner = {f"cuda:{i}" for i in range(int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size)))}
@@ -83,10 +95,6 @@ def _check_generator_devices(args: AsyncRLConfig) -> None:
     if clash:
         raise ConfigError(f"generator_devices: {clash} are also used by learner ranks ({sorted(learner)}); give the "
                           "generators their own GPUs (e.g. launch learners on cuda:0-5 and generators on cuda:6,7)")
-    count = torch.cuda.device_count()
-    for dev in args.generator_devices:
-        if dev.startswith("cuda:") and int(dev[5:]) >= count:
-            raise ConfigError(f"generator_devices: {dev} does not exist (this machine has {count} GPU(s))")
 
 
 class AsyncTrainerBase(Trainer):
@@ -109,17 +117,23 @@ class AsyncTrainerBase(Trainer):
                               "(or set reward_model_path)")
         _check_generator_devices(args)
 
-        # ---- models ------------------------------------------------------------------------------------------
-        init_kwargs = args.model_init_kwargs or {}
+        # ---- tokenizer and prompts: cheap, so checked before any model loads -----------------------------------
         self._source_model_path = model if isinstance(model, str) else None
-        if isinstance(model, str):
-            model = AutoModelForCausalLM.from_pretrained(model, **init_kwargs)
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(self._source_model_path or model.config._name_or_path)
         if processing_class.eos_token_id is None:
             raise ConfigError("processing_class: the tokenizer has no eos_token; set one (completions must end)")
         if processing_class.pad_token_id is None:
             processing_class.pad_token = processing_class.eos_token
+        self.prompt_token_ids, kept_rows = tokenize_prompts(
+            train_dataset, processing_class, args.max_length - args.max_new_tokens)
+        self.prompt_rows = kept_rows
+        self.extra_columns = [c for c in train_dataset.column_names if c != "prompt"]
+
+        # ---- models ------------------------------------------------------------------------------------------
+        init_kwargs = args.model_init_kwargs or {}
+        if isinstance(model, str):
+            model = AutoModelForCausalLM.from_pretrained(model, **init_kwargs)
         if isinstance(ref_model, str):
             ref_model = AutoModelForCausalLM.from_pretrained(ref_model, **init_kwargs)
         elif ref_model is None:  # under ZeRO-3 loaded again (partitioned), not copied: see learner.py
@@ -128,12 +142,6 @@ class AsyncTrainerBase(Trainer):
         if args.disable_dropout:
             _disable_dropout(model)
             _disable_dropout(ref_model)
-
-        # ---- prompts -----------------------------------------------------------------------------------------
-        self.prompt_token_ids, kept_rows = tokenize_prompts(
-            train_dataset, processing_class, args.max_length - args.max_new_tokens)
-        self.prompt_rows = kept_rows
-        self.extra_columns = [c for c in train_dataset.column_names if c != "prompt"]
 
         super().__init__(model=model, args=args, data_collator=lambda items: {"tickets": items},
                          train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
@@ -308,6 +316,9 @@ class AsyncTrainerBase(Trainer):
             output = super().train(resume_from_checkpoint=checkpoint, trial=trial,
                                    ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
             self._loop_seconds = time.perf_counter() - t_loop
+        except (GeneratorFailed, StageTimeout) as exc:  # raised on every rank, between two optimizer steps
+            self.pipeline.close()  # the generators first: nothing more will come from them
+            raise type(exc)(f"{exc}\n{self._checkpoint_after_failure()}") from exc
         finally:
             self.pipeline.close()
             for sig, handler in previous.items():
@@ -338,6 +349,22 @@ class AsyncTrainerBase(Trainer):
             flag = self.accelerator.reduce(flag, reduction="sum")
         return bool(flag.item())
 
+    def _checkpoint_after_failure(self) -> str:
+        """The pipeline failed for good between two optimizer steps (generator restarts exhausted, or a stage timed
+        out): save the learner as it stands, so the run resumes once the cause is fixed. Never overwrites a
+        complete checkpoint. Returns the line that ends the error message."""
+        step = self.state.global_step
+        directory = os.path.join(self._get_output_dir(trial=None), f"checkpoint-{step}")
+        if step == 0:
+            return "No optimizer step was taken, so no checkpoint was saved."
+        if checkpointing.is_complete(directory):
+            return f"The last checkpoint, {directory}, holds this state; resume from it."
+        try:
+            self._save_checkpoint(self.model, trial=None)
+        except Exception as exc:  # never hide the failure that brought us here
+            return f"Saving {directory} failed too ({type(exc).__name__}: {exc})."
+        return f"Saved {directory} at step {step}; resume with resume_from_checkpoint once the cause is fixed."
+
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
         if self.args.should_save:
@@ -364,6 +391,10 @@ class AsyncTrainerBase(Trainer):
         if self.extra_logs:
             logs, self.extra_logs = {**logs, **self.extra_logs}, {}
         super().log(logs, start_time)
+        # transformers keeps every log in `state.log_history` (and writes it into every checkpoint): at one log per
+        # step that grows by kilobytes a step, gigabytes over a long run (benchmarks/soak.py). The full record is
+        # metrics.jsonl; memory and checkpoints keep the newest LOG_HISTORY_KEPT entries.
+        del self.state.log_history[:-LOG_HISTORY_KEPT]
 
     def _summary(self, wall: float) -> dict:
         p = self.pipeline

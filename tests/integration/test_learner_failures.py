@@ -1,0 +1,211 @@
+"""Failures that end a run: a learner rank killed, generator restarts exhausted, a kill -9 in the middle of a
+checkpoint save. Each must end in bounded time with no process left behind and a checkpoint the run can resume
+from. The faults are real (SIGKILL, a generator whose weights are gone, a save stopped half-way), injected by
+`fault_run.py` when the run is a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import TrainerCallback
+
+from async_rlhf import AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer
+from async_rlhf.checkpointing import COMPLETE_MARKER, CheckpointError, latest_complete_checkpoint, load_pipeline_state
+from async_rlhf.generation.pool import GeneratorFailed
+from async_rlhf.prompt_stream import PromptStream
+from async_rlhf.toy_task import lowercase_reward, toy_prompts
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FAULT_RUN = os.path.join(ROOT, "tests/integration/fault_run.py")
+ENV = {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
+def session_processes(sid: int) -> list[str]:
+    out = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if os.getsid(p.pid) == sid and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(" ".join(p.info["cmdline"] or [])[:200])
+        except (ProcessLookupError, PermissionError, psutil.NoSuchProcess):
+            pass
+    return out
+
+
+def wait_for(condition, timeout: float, proc: subprocess.Popen, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, f"the run ended before {what}:\n{proc.stdout.read()[-4000:]}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def trained_steps(out) -> int:
+    path = os.path.join(out, "trained_batches.jsonl")
+    return len(open(path).read().splitlines()) if os.path.exists(path) else 0
+
+
+def check_records(out, steps: int, staleness: int = 1) -> None:
+    """Every step 0..steps-1 trained the prompts the stream assigns it, within the staleness bound (the last
+    record of a step wins: steps trained after the last checkpoint are trained again on resume)."""
+    final = {}
+    for line in open(os.path.join(out, "trained_batches.jsonl")):
+        r = json.loads(line)
+        final[r["step"]] = r
+    assert sorted(final) == list(range(steps))
+    stream = PromptStream(num_prompts=64, prompts_per_step=2, seed=5)  # fault_run.py's settings
+    for step, r in final.items():
+        assert r["prompt_ids"] == stream.prompts_for_step(step)
+        assert step - r["policy_version"] <= staleness
+
+
+# ---- a learner rank dies ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("victim", [1, 0])
+def test_killed_learner_rank_ends_the_run_cleanly(tmp_path, victim):
+    """kill -9 one of two gloo learner ranks mid-run: the other rank's next collective fails, it shuts its
+    generators down and exits, the launcher exits, nothing is left running and the last checkpoint is intact."""
+    out, shm = tmp_path / "run", tmp_path / "shm"
+    shm.mkdir()
+    cmd = ["accelerate", "launch", "--config_file", os.path.join(ROOT, "launch/accelerate/cpu_2proc_gloo.yaml"),
+           FAULT_RUN, str(out), "--max_steps", "400", "--save_steps", "3", "--shm_dir", str(shm)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        wait_for(lambda: trained_steps(out) >= 8 and latest_complete_checkpoint(str(out)), 300, proc, "step 8")
+        ranks = {}
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            rank = child.environ().get("RANK")
+            if rank is not None and "fault_run.py" in " ".join(child.cmdline()):
+                ranks.setdefault(int(rank), child)  # the rank itself, not its generator (spawned: no script name)
+        assert sorted(ranks) == [0, 1], ranks
+        t0 = time.monotonic()
+        ranks[victim].kill()
+        log, _ = proc.communicate(timeout=120)
+        ended = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode != 0
+    assert ended < 90, f"the run took {ended:.0f}s to end after a learner rank died"
+    deadline = time.monotonic() + 10  # generators orphaned by a killed rank 0 notice within a second or two
+    while session_processes(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not session_processes(proc.pid), session_processes(proc.pid)
+    if victim == 1:  # rank 0 survived the kill, so it closed its pipeline: generators stopped, weights removed
+        assert not os.listdir(shm), os.listdir(shm)
+    last = latest_complete_checkpoint(str(out))
+    assert last is not None
+    state = json.load(open(os.path.join(last, "async_rlhf_pipeline.json")))
+    load_pipeline_state(last, state["identity"])  # complete, readable, consistent
+    assert load_file(os.path.join(last, "model.safetensors"))
+    torch.load(os.path.join(last, "optimizer.pt"), weights_only=True)
+
+
+# ---- generator restarts exhausted -----------------------------------------------------------------------------------
+class _BreakGenerator(TrainerCallback):
+    """After optimizer step `step`: delete the generators' weights and kill generator 0, so that every restart
+    fails to load its model and reports why."""
+
+    def __init__(self, trainer, model_dir, step):
+        self.trainer, self.model_dir, self.step = trainer, model_dir, step
+        self.t = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            os.unlink(os.path.join(self.model_dir, "model.safetensors"))
+            os.kill(self.trainer.pipeline.pool.processes[0].pid, signal.SIGKILL)
+            self.t = time.monotonic()
+
+
+def _config(out, **kw):
+    base = dict(output_dir=str(out), max_steps=50, per_device_train_batch_size=2, num_generations=2,
+                max_new_tokens=6, max_length=48, learning_rate=5e-3, lr_scheduler_type="constant", max_staleness=1,
+                generator_backend="transformers", generator_max_restarts=1, disable_tqdm=True, seed=5,
+                generator_start_timeout=120, rollout_timeout=120)
+    return AsyncOnlineDPOConfig(**{**base, **kw})
+
+
+def test_exhausted_generator_restarts_save_a_checkpoint_and_name_the_generator(tmp_path, tiny_model_dir):
+    model_dir = str(tmp_path / "model")
+    shutil.copytree(tiny_model_dir, model_dir)  # generators start from here; the test breaks it
+    out = tmp_path / "run"
+    trainer = AsyncOnlineDPOTrainer(model_dir, reward_funcs=lowercase_reward, args=_config(out),
+                                    train_dataset=toy_prompts(64, seed=5))
+    breaker = _BreakGenerator(trainer, model_dir, step=3)
+    trainer.add_callback(breaker)
+    with pytest.raises(GeneratorFailed) as info:
+        trainer.train()
+    took = time.monotonic() - breaker.t
+    message = str(info.value)
+    step = trainer.state.global_step
+    assert "generator 0 (cpu)" in message and "restarts exhausted (1)" in message, message
+    assert "Last error:" in message and "model.safetensors" in message, message  # the load error, from the generator
+    assert f"Saved {out / f'checkpoint-{step}'} at step {step}" in message, message
+    assert took < 60, f"{took:.0f}s from the failure to the end of the run"
+    assert not [p for p in psutil.Process().children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
+
+    # the checkpoint is complete and resumes once the cause is fixed
+    assert step >= 3 and latest_complete_checkpoint(str(out)) == str(out / f"checkpoint-{step}")
+    shutil.copy(os.path.join(tiny_model_dir, "model.safetensors"), model_dir)
+    resumed = AsyncOnlineDPOTrainer(model_dir, reward_funcs=lowercase_reward, args=_config(out, max_steps=step + 2),
+                                    train_dataset=toy_prompts(64, seed=5))
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.run_summary["steps"] == step + 2
+    check_records(out, step + 2)
+
+
+@pytest.mark.slow
+def test_exhausted_restarts_with_two_learner_ranks_checkpoint_on_both(tmp_path):
+    """Rank 0 owns the generators; the failure reaches rank 1 through the step's broadcast, and both ranks save
+    the checkpoint together (DDP's RNG files come from every rank)."""
+    out = tmp_path / "run"
+    cmd = ["accelerate", "launch", "--config_file", os.path.join(ROOT, "launch/accelerate/cpu_2proc_gloo.yaml"),
+           FAULT_RUN, str(out), "--max_steps", "50", "--save_steps", "100", "--fault", "break_generator", "--at", "4"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=400)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "GeneratorFailed: generator 0 (cpu)" in log and "restarts exhausted (1)" in log, log[-4000:]
+    assert "[rank1]" in log and log.count("restarts exhausted") >= 2, log[-4000:]  # rank 1 raised it too
+    saved = re.search(r"Saved (\S+) at step (\d+)", log)
+    assert saved and int(saved.group(2)) >= 4, log[-4000:]  # the step that waited in vain (4, or 5 if 4 was queued)
+    checkpoint = saved.group(1)
+    assert latest_complete_checkpoint(str(out)) == checkpoint
+    assert {"rng_state_0.pth", "rng_state_1.pth", "model.safetensors", "optimizer.pt"} <= set(os.listdir(checkpoint))
+
+
+# ---- kill -9 during a checkpoint save ------------------------------------------------------------------------------
+@pytest.mark.parametrize("where", ["hang_in_save", pytest.param("hang_mid_save", marks=pytest.mark.slow)])
+def test_kill_minus_9_during_a_save_keeps_the_previous_checkpoint_resumable(tmp_path, where):
+    out = tmp_path / "run"
+    steps = 10
+    run = [sys.executable, FAULT_RUN, str(out), "--max_steps", str(steps), "--save_steps", "3"]
+    proc = subprocess.Popen(run + ["--fault", where, "--at", "6"], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        wait_for(lambda: (out / "hanging_in_save").exists(), 240, proc, "the save of checkpoint-6")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the whole run, mid-save
+        proc.wait(30)
+    half = out / "checkpoint-6"
+    assert half.is_dir() and not (half / COMPLETE_MARKER).exists()
+    assert latest_complete_checkpoint(str(out)) == str(out / "checkpoint-3")
+    with pytest.raises(CheckpointError, match="incomplete"):
+        load_pipeline_state(str(half), {})
+
+    resumed = subprocess.run(run + ["--resume"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
+    summary = json.load(open(out / "run_summary.json"))
+    assert summary["steps"] == steps
+    assert (half / COMPLETE_MARKER).exists()  # saved again, whole this time
+    check_records(out, steps)
