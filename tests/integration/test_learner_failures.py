@@ -187,9 +187,10 @@ def test_exhausted_restarts_with_two_learner_ranks_checkpoint_on_both(tmp_path):
 # ---- kill -9 during a checkpoint save ------------------------------------------------------------------------------
 @pytest.mark.parametrize("where", ["hang_in_save", pytest.param("hang_mid_save", marks=pytest.mark.slow)])
 def test_kill_minus_9_during_a_save_keeps_the_previous_checkpoint_resumable(tmp_path, where):
-    out = tmp_path / "run"
+    out, shm = tmp_path / "run", tmp_path / "shm"  # a killed run cannot remove its weight files: keep them here
+    shm.mkdir()
     steps = 10
-    run = [sys.executable, FAULT_RUN, str(out), "--max_steps", str(steps), "--save_steps", "3"]
+    run = [sys.executable, FAULT_RUN, str(out), "--max_steps", str(steps), "--save_steps", "3", "--shm_dir", str(shm)]
     proc = subprocess.Popen(run + ["--fault", where, "--at", "6"], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
