@@ -2,12 +2,16 @@
 
 Never the disk, never a pickle on a pipe. The file is written under a temporary name and renamed, so a
 generator can never read a half-written version. Files of versions that every generator has acknowledged
-(and that are no longer the newest) are deleted by `release`; `close` removes the directory.
+(and that are no longer the newest) are deleted by `release`; `close` removes the directory. A run killed with
+SIGKILL cannot clean up, so the directory name carries the owner's pid and the next transport created on the
+machine removes directories whose owner is gone.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -17,6 +21,34 @@ from safetensors.torch import save_file
 
 from async_rlhf.types import WeightUpdate
 
+logger = logging.getLogger(__name__)
+PREFIX = "async_rlhf-weights-"
+_OWNED = re.compile(re.escape(PREFIX) + r"pid(\d+)-")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def remove_orphaned_dirs(shm_dir: str) -> list[str]:
+    """Remove weight directories left in `shm_dir` by runs whose process no longer exists; returns their paths."""
+    removed = []
+    for name in os.listdir(shm_dir):
+        match = _OWNED.match(name)
+        if match and not _pid_alive(int(match.group(1))):
+            path = os.path.join(shm_dir, name)
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    if removed:
+        logger.info("removed %d weight directories left by killed runs: %s", len(removed), removed)
+    return removed
+
 
 class ShmWeightTransport:
     name = "shm"
@@ -24,7 +56,8 @@ class ShmWeightTransport:
     def __init__(self, shm_dir: str = "/dev/shm"):
         if not os.path.isdir(shm_dir):
             raise FileNotFoundError(f"shm_dir: {shm_dir!r} does not exist (set shm_dir to a RAM-backed directory)")
-        self.dir = tempfile.mkdtemp(prefix="async_rlhf-weights-", dir=shm_dir)
+        remove_orphaned_dirs(shm_dir)
+        self.dir = tempfile.mkdtemp(prefix=f"{PREFIX}pid{os.getpid()}-", dir=shm_dir)
         self.last_write_seconds = 0.0
 
     def publish(self, state: dict[str, torch.Tensor], version: int) -> WeightUpdate:
