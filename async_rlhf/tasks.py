@@ -118,3 +118,20 @@ def add_periodic_evaluation(trainer, evaluate, every: int) -> None:
         from async_rlhf.periodic_eval import PeriodicEvaluation
 
         trainer.add_callback(PeriodicEvaluation(trainer, evaluate, every))
+
+
+def run_recipe(recipe: str, config_class, trainer_name: str, argv: list[str]):
+    """The body of every RL recipe: parse flags (over the recipe's built-in-task defaults), set up the task, train
+    on the asynchronous pipeline (resuming if asked), save, and run the task's gold evaluation. Returns the trainer."""
+    import async_rlhf
+    from async_rlhf.cli import parse_args
+
+    script, config = parse_args((ScriptArguments, config_class), argv, task_defaults(recipe))
+    trainer_class = getattr(async_rlhf, trainer_name)
+    with config.main_process_first(desc="task set-up"):  # rank 0 builds caches and models; the others then read
+        model, reward, train_dataset, evaluate = setup_task(script, config)
+    trainer = trainer_class(model=model, reward_funcs=reward, args=config, train_dataset=train_dataset)
+    add_periodic_evaluation(trainer, evaluate, script.gold_eval_steps)
+    trainer.train(resume_from_checkpoint=resume_argument(config))
+    save_and_evaluate(trainer, evaluate, config.output_dir)
+    return trainer
