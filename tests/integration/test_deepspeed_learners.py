@@ -91,6 +91,7 @@ def _check_zero3_sync_and_partitioning(facts: dict) -> None:
     assert facts["params_changed_by_training"] == facts["generator_params"] > 0
 
 
+@pytest.mark.slow  # ~5 min on 2 cores incl. DeepSpeed's first-use compile; launch configs are checked in the default suite
 def test_zero3_online_dpo_trains_and_the_generator_gets_the_learners_weights(tmp_path):
     run = _helper_run(tmp_path, "cpu_deepspeed_zero3.yaml", "--algorithm", "online_dpo")
     _check_run(run, zero_stage=3)

@@ -9,7 +9,7 @@ from async_rlhf import AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer
 from async_rlhf.toy_task import lowercase_reward, toy_prompts
 
 
-@pytest.mark.parametrize("staleness", [0, 1])
+@pytest.mark.parametrize("staleness", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_two_generators_share_each_batch_and_track_every_version(tmp_path, tiny_model_dir, staleness):
     steps = 4
     config = AsyncOnlineDPOConfig(output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=5,

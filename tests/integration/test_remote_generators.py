@@ -107,6 +107,7 @@ def test_online_dpo_against_a_remote_server(server, tmp_path, monkeypatch):
     assert logged[-1]["generator/version_loaded"] >= steps - 2  # what the server had acknowledged at that log
 
 
+@pytest.mark.slow  # a second remote run; the default suite keeps the S=1 run and the token check
 def test_broadcast_weights_equal_the_learner_weights(server, tmp_path, monkeypatch):
     """At staleness 0 every batch is sampled by exactly the learner's weights, so the behaviour log-probs the
     server returns must equal the learner's own (float32 on both sides): any corruption on the way shows here."""
@@ -137,6 +138,7 @@ def test_wrong_token_is_refused(server, tmp_path, monkeypatch):
             wire.recv_frame(sock)  # dropped without an answer: it was not JSON
 
 
+@pytest.mark.slow  # starts its own vLLM server
 def test_a_server_that_dies_fails_the_run_naming_it(tmp_path, monkeypatch):
     """The server is killed (SIGKILL) while the trainer runs: the run fails within seconds, naming the server, instead
     of waiting for rollouts that will never come. (A transformers-backend server: starts in seconds; the failure
