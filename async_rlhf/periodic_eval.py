@@ -2,8 +2,9 @@
 
 The task's evaluation function (for the built-in task: gold win-rate, gold reward, KL and SFT perplexity, see
 `evaluation.py`) runs on the in-memory policy, so no checkpoint is written for it. Results are logged with the
-next training log under `eval/<metric>` (metrics.jsonl, report_to integrations), which is what the sweep's
-"win-rate over training steps" plot reads. Other ranks do not wait for it except at their next collective.
+training log of that same step under `eval/<metric>` (metrics.jsonl, report_to integrations; every rank asks the
+Trainer to log at that step, because logging reduces metrics across ranks), which is what the sweep's "win-rate
+over training steps" plot reads. Other ranks do not wait for it except at their next collective.
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ class PeriodicEvaluation(TrainerCallback):
         self._warned = False
 
     def on_step_end(self, args, state, control, **kwargs):
-        if not self.every or state.global_step % self.every or not state.is_world_process_zero:
+        if not self.every or state.global_step % self.every:
+            return
+        control.should_log = True  # on every rank: the results belong to this step's log
+        if not state.is_world_process_zero:
             return
         model = self.trainer.accelerator.unwrap_model(self.trainer.model)
         if any(hasattr(p, "ds_id") for p in model.parameters()):  # ZeRO-3: rank 0 does not hold the whole model
