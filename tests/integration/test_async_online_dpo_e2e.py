@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
-import psutil
 import pytest
+
+from session_run import run_in_own_session
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 14
@@ -20,7 +19,6 @@ STEPS = 14
 
 def _launch(tmp_path, staleness: int, backend: str = "vllm", procs: int = 2) -> tuple[dict, list[dict], str]:
     out = tmp_path / f"s{staleness}"
-    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
     launcher = ["accelerate", "launch", "--config_file",
                 os.path.join(ROOT, "launch/accelerate", "cpu_2proc_gloo.yaml" if procs == 2 else "cpu_1proc.yaml")]
     cmd = launcher + [
@@ -31,24 +29,7 @@ def _launch(tmp_path, staleness: int, backend: str = "vllm", procs: int = 2) -> 
         "--temperature", "1.0", "--max_staleness", str(staleness), "--sync_every", "1",
         "--generator_backend", backend, "--rollout_timeout", "300", "--seed", "1",
     ]
-    # its own session: every process the run starts (ranks, generators) keeps that session id, even if orphaned
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=900)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        log, _ = proc.communicate()
-        raise AssertionError("run did not finish in 900 s:\n" + log[-6000:])
-    assert proc.returncode == 0, log[-6000:]
-    leftovers = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            if os.getsid(p.pid) == proc.pid:
-                leftovers.append(p.info)
-        except (ProcessLookupError, PermissionError):
-            pass
-    assert not leftovers, f"processes left alive after the run: {leftovers}"
+    log = run_in_own_session(cmd, timeout=900)
     summary = json.loads((out / "run_summary.json").read_text())
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return summary, [m for m in metrics if "loss" in m], log

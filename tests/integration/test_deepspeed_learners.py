@@ -9,7 +9,7 @@ ZeRO-2 run is the online DPO recipe itself, as the README launches it.
 Wall times measured under pytest on the shared 2-core machine (load average 7-15 from other jobs; expect less on an
 idle one), DeepSpeed's CPU ops already compiled (the first DeepSpeed run on a machine JIT-builds
 `deepspeed_shm_comm`, about 3 minutes more; see docs/architecture.md):
-  ZeRO-3 online DPO + sync check: 311 s (default suite) | ZeRO-3 RLOO + reward model + sync check: 260 s (slow)
+  ZeRO-3 online DPO + sync check: 311 s (slow) | ZeRO-3 RLOO + reward model + sync check: 260 s (slow)
   ZeRO-2 online DPO recipe: 176 s (slow)
 """
 
@@ -18,11 +18,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import time
 
-import psutil
 import pytest
+
+from session_run import run_in_own_session
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 3
@@ -30,27 +30,10 @@ STEPS = 3
 
 def _launch(accelerate_config: str, script_args: list[str], out) -> dict:
     """Run `accelerate launch` in its own session; fail with the log's tail on error, timeout or leftovers."""
-    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
     cmd = ["accelerate", "launch", "--config_file", os.path.join("launch/accelerate", accelerate_config)] + script_args
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=840)  # under pytest-timeout's 900 s
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        log, _ = proc.communicate()
-        raise AssertionError("run did not finish in 840 s:\n" + log[-6000:])
+    log = run_in_own_session(cmd, timeout=840, log_tail=8000)  # under pytest-timeout's 900 s
     wall = time.perf_counter() - t0
-    assert proc.returncode == 0, log[-8000:]
-    leftovers = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            if os.getsid(p.pid) == proc.pid:
-                leftovers.append(p.info)
-        except (ProcessLookupError, PermissionError):
-            pass
-    assert not leftovers, f"processes left alive after the run: {leftovers}"
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     facts_file = out / "deepspeed_facts.json"
     print(f"{accelerate_config} {' '.join(script_args[:3])}: {wall:.0f} s wall")

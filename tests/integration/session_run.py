@@ -1,0 +1,35 @@
+"""Running a whole training launch from a test: in its own session, so that every process it starts (learner
+ranks, generators) can be found afterwards by session id, even if orphaned."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import psutil
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_in_own_session(cmd: list[str], timeout: float, log_tail: int = 6000) -> str:
+    """Run `cmd` from the repository root with WANDB off; return its output. Fails with the log's tail on a
+    non-zero exit, on timeout (the whole session is killed), and when a process of the session outlives it."""
+    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        log, _ = proc.communicate()
+        raise AssertionError(f"run did not finish in {timeout:.0f} s:\n" + log[-log_tail:])
+    assert proc.returncode == 0, log[-log_tail:]
+    leftovers = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if os.getsid(p.pid) == proc.pid:
+                leftovers.append(p.info)
+        except (ProcessLookupError, PermissionError):
+            pass
+    assert not leftovers, f"processes left alive after the run: {leftovers}"
+    return log
