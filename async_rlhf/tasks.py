@@ -65,14 +65,19 @@ def setup_task(script: ScriptArguments, config):
         reward = gold_reward if script.reward == "gold" else (config.reward_model_path or paths["reward_model"])
         model = script.model_name_or_path or paths["sft_model"]
 
+        loaded = {}  # tokenizer and SFT model, read once for every evaluation of the run
+
         def evaluate(model_or_dir):
-            from transformers import AutoTokenizer
+            import torch
+            from transformers import AutoModelForCausalLM, AutoTokenizer
 
             from async_rlhf.evaluation import evaluate_policy
 
-            tokenizer = AutoTokenizer.from_pretrained(paths["tokenizer"])
-            return evaluate_policy(model_or_dir, paths["sft_model"], num_prompts=script.eval_prompts, seed=0,
-                                   tokenizer=tokenizer, dataset=splits["test"])
+            if not loaded:
+                loaded["tokenizer"] = AutoTokenizer.from_pretrained(paths["tokenizer"])
+                loaded["sft"] = AutoModelForCausalLM.from_pretrained(paths["sft_model"], dtype=torch.float32)
+            return evaluate_policy(model_or_dir, loaded["sft"], num_prompts=script.eval_prompts, seed=0,
+                                   tokenizer=loaded["tokenizer"], dataset=splits["test"])
 
         return model, reward, splits["train"], (evaluate if script.eval_prompts > 0 else None)
     if script.task == "hub":
