@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from datasets import Dataset, DatasetDict
 
-TASK_VERSION = 2
+TASK_VERSION = 3
 
 TOPICS: dict[str, tuple[str, ...]] = {
     "relationships": ("girlfriend", "boyfriend", "wife", "husband", "date", "wedding", "breakup", "parents",
