@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 
 import psutil
 
@@ -24,12 +25,24 @@ def run_in_own_session(cmd: list[str], timeout: float, log_tail: int = 6000) -> 
         log, _ = proc.communicate()
         raise AssertionError(f"run did not finish in {timeout:.0f} s:\n" + log[-log_tail:])
     assert proc.returncode == 0, log[-log_tail:]
-    leftovers = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            if os.getsid(p.pid) == proc.pid:
-                leftovers.append(p.info)
-        except (ProcessLookupError, PermissionError):
-            pass
+    # Children may still be exiting when the launcher returns (a vLLM engine core freeing its memory): give them a
+    # few seconds; a process that is really left behind is still there after them. Zombies are already dead.
+    deadline = time.monotonic() + 15
+    while True:
+        leftovers = _session_processes(proc.pid)
+        if not leftovers or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert not leftovers, f"processes left alive after the run: {leftovers}"
     return log
+
+
+def _session_processes(session_id: int) -> list[dict]:
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline", "status"]):
+        try:
+            if os.getsid(p.pid) == session_id and p.info["status"] != psutil.STATUS_ZOMBIE:
+                found.append(p.info)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return found
