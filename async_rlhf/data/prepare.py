@@ -28,7 +28,6 @@ import shutil
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaForSequenceClassification, PreTrainedModel, PreTrainedTokenizerFast
@@ -258,9 +257,13 @@ def train_reward_model(settings: RewardModelSettings, sft_model_path: str, token
     return model, metrics
 
 
+def cache_root() -> str:
+    """Where prepared models live: `$ASYNC_RLHF_CACHE`, else `~/.cache/async_rlhf`."""
+    return os.environ.get("ASYNC_RLHF_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "async_rlhf")
+
+
 def default_cache_dir(seed: int = 0) -> str:
-    root = os.environ.get("ASYNC_RLHF_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "async_rlhf")
-    return os.path.join(root, f"builtin-v{builtin_task.TASK_VERSION}" + (f"-seed{seed}" if seed else ""))
+    return os.path.join(cache_root(), f"builtin-v{builtin_task.TASK_VERSION}" + (f"-seed{seed}" if seed else ""))
 
 
 def _paths(cache_dir: str) -> dict:
@@ -279,6 +282,21 @@ def _is_complete(cache_dir: str) -> bool:
         return False
     with open(manifest) as f:
         return json.load(f).get("task_version") == builtin_task.TASK_VERSION
+
+
+@contextlib.contextmanager
+def built_atomically(directory: str):
+    """Yield a temporary sibling of `directory` to build into; on success it replaces `directory` (a rename), on any
+    error it is removed: readers never see half a build."""
+    tmp = tempfile.mkdtemp(prefix=os.path.basename(directory) + ".tmp-", dir=os.path.dirname(directory))
+    try:
+        yield tmp
+        if os.path.exists(directory):  # a stale or unfinished build of this name: replace it
+            shutil.rmtree(directory)
+        os.rename(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 @contextlib.contextmanager
@@ -353,16 +371,8 @@ def prepare_builtin(cache_dir: str | None = None, seed: int = 0) -> dict:
         if _is_complete(cache_dir):  # another process built it while we waited
             return paths
         logger.info("preparing the built-in task into %s (a few minutes on CPU)", cache_dir)
-        tmp = tempfile.mkdtemp(prefix=os.path.basename(cache_dir) + ".tmp-", dir=os.path.dirname(cache_dir))
-        try:
-            with _all_cores():
-                manifest = build_into(tmp, seed)
-            if os.path.exists(cache_dir):  # a stale or unfinished cache of this name: replace it
-                shutil.rmtree(cache_dir)
-            os.rename(tmp, cache_dir)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        with built_atomically(cache_dir) as tmp, _all_cores():
+            manifest = build_into(tmp, seed)
         logger.info("built-in task ready in %.0f s: SFT gold win-rate %.3f, reward model held-out accuracy %.3f",
                     manifest["timings"]["total_seconds"], manifest["sft_gold_win_rate"],
                     manifest["reward_model"]["eval_accuracy"])

@@ -15,8 +15,6 @@ import glob
 import importlib.util
 import logging
 import os
-import shutil
-import tempfile
 
 from datasets import Dataset
 
@@ -42,8 +40,9 @@ def gguf_file() -> str:
 
 
 def default_cache_dir() -> str:
-    root = os.environ.get("ASYNC_RLHF_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "async_rlhf")
-    return os.path.join(root, "smollm2-135m-instruct")
+    from async_rlhf.data.prepare import cache_root
+
+    return os.path.join(cache_root(), "smollm2-135m-instruct")
 
 
 def prepare_smollm2(cache_dir: str | None = None) -> str:
@@ -54,7 +53,7 @@ def prepare_smollm2(cache_dir: str | None = None) -> str:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from async_rlhf.data.prepare import _lock
+    from async_rlhf.data.prepare import _lock, built_atomically
 
     cache_dir = os.path.abspath(cache_dir or default_cache_dir())
     done = os.path.join(cache_dir, "config.json")
@@ -78,16 +77,9 @@ def prepare_smollm2(cache_dir: str | None = None) -> str:
         model.is_quantized = False
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
-        tmp = tempfile.mkdtemp(prefix=os.path.basename(cache_dir) + ".tmp-", dir=os.path.dirname(cache_dir))
-        try:
+        with built_atomically(cache_dir) as tmp:
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
-            if os.path.exists(cache_dir):
-                shutil.rmtree(cache_dir)
-            os.rename(tmp, cache_dir)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
     return cache_dir
 
 
