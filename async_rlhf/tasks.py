@@ -66,22 +66,8 @@ def setup_task(script: ScriptArguments, config):
         splits = make_splits(seed=0)
         reward = gold_reward if script.reward == "gold" else (config.reward_model_path or paths["reward_model"])
         model = script.model_name_or_path or paths["sft_model"]
-
-        loaded = {}  # tokenizer and SFT model, read once for every evaluation of the run
-
-        def evaluate(model_or_dir):
-            import torch
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-
-            from async_rlhf.evaluation import evaluate_policy
-
-            if not loaded:
-                loaded["tokenizer"] = AutoTokenizer.from_pretrained(paths["tokenizer"])
-                loaded["sft"] = AutoModelForCausalLM.from_pretrained(paths["sft_model"], dtype=torch.float32)
-            return evaluate_policy(model_or_dir, loaded["sft"], num_prompts=script.eval_prompts, seed=0,
-                                   tokenizer=loaded["tokenizer"], dataset=splits["test"])
-
-        return model, reward, splits["train"], (evaluate if script.eval_prompts > 0 else None)
+        evaluate = gold_evaluation(paths["sft_model"], paths["tokenizer"], splits["test"], script.eval_prompts)
+        return model, reward, splits["train"], evaluate
     if script.task == "smollm2":
         return _smollm2_task(script)
     if script.task == "hub":
@@ -109,14 +95,30 @@ def _smollm2_task(script: ScriptArguments):
     initial = prepare_smollm2()
     splits = make_splits(seed=0, sizes={"train": 4096, "validation": 0, "test": max(1, script.eval_prompts)})
 
+    evaluate = gold_evaluation(initial, initial, chat_prompts(splits["test"]), script.eval_prompts, max_new_tokens=32)
+    return script.model_name_or_path or initial, gold_reward, chat_prompts(splits["train"]), evaluate
+
+
+def gold_evaluation(reference_model: str, tokenizer_path: str, dataset, num_prompts: int, max_new_tokens: int = 24):
+    """The task's evaluation function (None when `num_prompts` is 0): gold win-rate against `dataset`'s references
+    and KL to `reference_model`, which is read once, with the tokenizer, at the first evaluation of the run."""
+    if num_prompts <= 0:
+        return None
+    loaded = {}
+
     def evaluate(model_or_dir):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
         from async_rlhf.evaluation import evaluate_policy
 
-        return evaluate_policy(model_or_dir, initial, num_prompts=script.eval_prompts, seed=0,
-                               dataset=chat_prompts(splits["test"]), max_new_tokens=32)
+        if not loaded:
+            loaded["tokenizer"] = AutoTokenizer.from_pretrained(tokenizer_path)
+            loaded["reference"] = AutoModelForCausalLM.from_pretrained(reference_model, dtype=torch.float32)
+        return evaluate_policy(model_or_dir, loaded["reference"], num_prompts=num_prompts, seed=0,
+                               tokenizer=loaded["tokenizer"], dataset=dataset, max_new_tokens=max_new_tokens)
 
-    return (script.model_name_or_path or initial, gold_reward, chat_prompts(splits["train"]),
-            evaluate if script.eval_prompts > 0 else None)
+    return evaluate
 
 
 def save_and_evaluate(trainer, evaluate, output_dir: str) -> dict | None:

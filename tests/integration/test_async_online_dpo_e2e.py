@@ -11,9 +11,8 @@ import os
 
 import pytest
 
-from session_run import run_in_own_session
+from session_run import ROOT, run_in_own_session
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 14
 
 

@@ -24,7 +24,6 @@ import pytest
 
 from session_run import run_in_own_session
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 3
 
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 from safetensors import safe_open
 
-from tests.integration.session_run import ROOT, run_in_own_session
+from session_run import ROOT, run_in_own_session
 
 pytestmark = [
     pytest.mark.slow,
