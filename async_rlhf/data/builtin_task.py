@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from datasets import Dataset, DatasetDict
 
-TASK_VERSION = 3
+TASK_VERSION = 4
 
 TOPICS: dict[str, tuple[str, ...]] = {
     "relationships": ("girlfriend", "boyfriend", "wife", "husband", "date", "wedding", "breakup", "parents",
@@ -78,8 +78,9 @@ class OracleNoise:
     ramble: float  # one to three post words are appended after the key words
 
 
-# Human references: good, but flawed about half the time, so a good policy wins well over 50% against them.
-REFERENCE_NOISE = OracleNoise(drop_key=0.08, add_filler=0.2, add_distractor=0.15, swap=0.15, opener=0.0, ramble=0.0)
+# Human references: good, but flawed about two times in three (like the Reddit TL;DRs the paper compares against),
+# so a policy that writes the ideal summary wins about 84% against them and the SFT policy about a third.
+REFERENCE_NOISE = OracleNoise(drop_key=0.1, add_filler=0.3, add_distractor=0.25, swap=0.2, opener=0.0, ramble=0.0)
 # SFT demonstrations: mostly right in content but with a house style the gold reward dislikes: most open with a
 # filler word from the post ("my cat vet."), so the SFT policy's greedy summary does too. Like the paper's SFT
 # policy, it writes plausible summaries that lose to the references about two times in three, and RLHF has a
@@ -215,15 +216,15 @@ def score(post_words: list[str], completion: str, truncated: bool = False) -> fl
         elif w in keys:
             penalty += 0.2  # repeated key word
         elif w in CONTENT_WORDS and w in counts:
-            penalty += 0.15  # distractor: in the post, but said once
+            penalty += 0.2  # distractor: in the post, but said once
         elif w in counts:
-            penalty += 0.1  # filler copied from the post
+            penalty += 0.3  # filler copied from the post
         else:
-            penalty += 0.3  # not in the post at all
+            penalty += 0.5  # not in the post at all
     recall = sum(counts[w] for w in covered) / max(1, sum(counts[w] for w in keys))
     in_order = sum(keys.index(a) < keys.index(b) for a, b in zip(covered, covered[1:]))
     order = 0.1 * in_order / (len(covered) - 1) if len(covered) >= 2 else 0.0
-    return recall + order + 0.3 * ends_clean - penalty - 0.02 * len(words)
+    return 2 * recall + order + 0.3 * ends_clean - penalty - 0.02 * len(words)
 
 
 def gold_reward(prompts: list, completions: list, truncated: list[bool] | None = None, **kwargs) -> list[float]:
@@ -232,13 +233,13 @@ def gold_reward(prompts: list, completions: list, truncated: list[bool] | None =
     `prompts` / `completions` are texts or chat conversations (lists of `{"role", "content"}` messages); extra
     keyword arguments (dataset columns, `completion_ids`, ...) are ignored. Per completion:
 
-        recall of the key words, weighted by how often the post says each   (0 .. 1)
+        2 x recall of the key words, weighted by how often the post says each   (0 .. 2)
       + 0.1 x fraction of neighbouring key words in the post's order
       + 0.3 if the text ends with its only period (it stopped: EOS right after the summary)
-      - 0.2 per repeated key word, 0.15 per distractor, 0.1 per filler, 0.3 per word not in the post
+      - 0.2 per repeated key word or distractor, 0.3 per filler, 0.5 per word not in the post
       - 0.02 per word (brevity)
 
-    The ideal summary of a 3-key-word post scores about 1.34; rambling to the token limit scores below zero.
+    The ideal summary of a 3-key-word post scores about 2.34; rambling to the token limit scores below zero.
     `truncated[i]` (optional) marks completions cut at the token limit: they lose the clean-ending bonus.
     """
     truncated = truncated if truncated is not None else [False] * len(completions)
