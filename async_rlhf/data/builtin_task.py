@@ -14,8 +14,8 @@ Three roles of the paper map onto this task:
 - the **gold reward** (`gold_reward`, the paper's 6.9B gold RM) is a program: it scores any completion with a
   continuous value that rewards covering the key words, brevity and ending cleanly, and penalises fillers,
   distractors, words not in the post, repeats and rambling past the end;
-- the **human reference summaries** (`reference` column) come from a noisy oracle: usually right, sometimes with
-  a dropped key word, an extra word or two words swapped, so a policy can beat them;
+- the **human reference summaries** (`reference` column) come from a noisy oracle: right about two times in five,
+  otherwise with a dropped key word, an extra word or two words swapped, so a policy can beat them;
 - the **SFT demonstrations** (`completion` column) come from a sloppier oracle whose most common style is
   slightly off (an opening filler word, rambling tails), so the SFT policy starts below the references (the
   paper's Table 1: SFT wins about a third of the time) and RLHF has something to fix.
@@ -78,8 +78,8 @@ class OracleNoise:
     ramble: float  # one to three post words are appended after the key words
 
 
-# Human references: good, but flawed about two times in three (like the Reddit TL;DRs the paper compares against),
-# so a policy that writes the ideal summary wins about 84% against them and the SFT policy about a third.
+# Human references: good, but flawed about three times in five (like the Reddit TL;DRs the paper compares against),
+# so a policy that writes the ideal summary wins about 81% against them (ties count half) and the SFT policy 30%.
 REFERENCE_NOISE = OracleNoise(drop_key=0.1, add_filler=0.3, add_distractor=0.25, swap=0.2, opener=0.0, ramble=0.0)
 # SFT demonstrations: mostly right in content but with a house style the gold reward dislikes: most open with a
 # filler word from the post ("my cat vet."), so the SFT policy's greedy summary does too. Like the paper's SFT
