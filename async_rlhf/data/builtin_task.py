@@ -14,18 +14,23 @@ Three roles of the paper map onto this task:
 - the **gold reward** (`gold_reward`, the paper's 6.9B gold RM) is a program: it scores any completion with a
   continuous value that rewards covering the key words, brevity and ending cleanly, and penalises fillers,
   distractors, words not in the post, repeats and rambling past the end;
-- the **human reference summaries** (`reference` column) come from a noisy oracle: right about two times in five,
-  otherwise with a dropped key word, an extra word or two words swapped, so a policy can beat them;
-- the **SFT demonstrations** (`completion` column) come from a sloppier oracle whose most common style is
-  slightly off (an opening filler word, rambling tails), so the SFT policy starts below the references (the
-  paper's Table 1: SFT wins about a third of the time) and RLHF has something to fix.
+- the **human reference summaries** (`reference` column) come from a noisy oracle with no house style but
+  careless content: right about one time in four, otherwise with an extra content word, two key words swapped or
+  (rarely) a key word dropped, so a policy can beat them;
+- the **SFT demonstrations** (`completion` column) come from an oracle that is careful about content but has a
+  house style the gold reward dislikes (most open with a filler word, some ramble on), so the SFT policy starts
+  below the references (the paper's Table 1: SFT wins about a third of the time) and RLHF has something to fix.
+
+Posts, demonstrations and references draw from three separate random streams, so changing one oracle's noise
+leaves the posts (and the other oracle's summaries) as they are.
 
 Why "ending with EOS" is read from the text: TRL-style reward functions see decoded text with special tokens
 removed. Summaries end with a period, so a completion that stops right after its period ended with EOS; one that
 was cut at the token limit (or rambled on) does not end with the period. Callers that know which completions hit
 the length limit can pass `truncated=[...]` to `gold_reward` to make that exact.
 
-Everything is deterministic given `seed`: each split draws from its own `random.Random(f"{seed}-{split}")`.
+Everything is deterministic given `seed`: each split's posts draw from `random.Random(f"{seed}-{split}")`, its
+demonstrations and references from streams of their own.
 Bump `TASK_VERSION` whenever the vocabulary, the generator or the gold reward changes: cached SFT / reward
 models (see `data/prepare.py`) are keyed by it.
 """
@@ -38,7 +43,7 @@ from dataclasses import dataclass
 
 from datasets import Dataset, DatasetDict
 
-TASK_VERSION = 4
+TASK_VERSION = 5
 
 TOPICS: dict[str, tuple[str, ...]] = {
     "relationships": ("girlfriend", "boyfriend", "wife", "husband", "date", "wedding", "breakup", "parents",
@@ -78,14 +83,16 @@ class OracleNoise:
     ramble: float  # one to three post words are appended after the key words
 
 
-# Human references: good, but flawed about three times in five (like the Reddit TL;DRs the paper compares against),
-# so a policy that writes the ideal summary wins about 81% against them (ties count half) and the SFT policy 30%.
-REFERENCE_NOISE = OracleNoise(drop_key=0.1, add_filler=0.3, add_distractor=0.25, swap=0.2, opener=0.0, ramble=0.0)
-# SFT demonstrations: mostly right in content but with a house style the gold reward dislikes: most open with a
-# filler word from the post ("my cat vet."), so the SFT policy's greedy summary does too. Like the paper's SFT
-# policy, it writes plausible summaries that lose to the references about two times in three, and RLHF has a
-# clear, learnable preference to find (drop the opener, keep the key words).
-DEMONSTRATION_NOISE = OracleNoise(drop_key=0.05, add_filler=0.1, add_distractor=0.1, swap=0.1, opener=0.6,
+# Human references: no house style, careless content (like the Reddit TL;DRs the paper compares against): an extra
+# content word or two swapped key words, flawed about three times in four, so a policy that writes the ideal
+# summary wins about 86% against them (ties count half) and the SFT policy about a third of the time. Their flaws
+# cost less than a filler word (0.2 for a distractor, 0.1 for the order), so a summary with an opener loses to them.
+REFERENCE_NOISE = OracleNoise(drop_key=0.05, add_filler=0.0, add_distractor=0.45, swap=0.4, opener=0.0, ramble=0.0)
+# SFT demonstrations: careful content with a house style the gold reward dislikes: most open with a filler word
+# from the post ("my cat vet.") and some ramble on, so the SFT policy's greedy summary opens with one too. Like the
+# paper's SFT policy, it writes plausible summaries that lose to the references about two times in three, and
+# RLHF has a clear, learnable preference to find (drop the opener, keep the key words).
+DEMONSTRATION_NOISE = OracleNoise(drop_key=0.02, add_filler=0.05, add_distractor=0.05, swap=0.03, opener=0.6,
                                   ramble=0.15)
 
 
@@ -157,11 +164,13 @@ def ideal_summary(post: Post) -> str:
 def make_split(num_rows: int, seed: int, split: str, conversational: bool = False) -> Dataset:
     """One split: `prompt`, `completion` (an SFT demonstration) and `reference` (a human reference summary)."""
     rng = random.Random(f"{seed}-{split}")
+    demonstration_rng = random.Random(f"{seed}-{split}-demonstration")
+    reference_rng = random.Random(f"{seed}-{split}-reference")
     rows: dict[str, list] = {"prompt": [], "completion": [], "reference": []}
     for _ in range(num_rows):
         post = sample_post(rng)
-        demonstration = noisy_summary(post, DEMONSTRATION_NOISE, rng)
-        reference = noisy_summary(post, REFERENCE_NOISE, rng)
+        demonstration = noisy_summary(post, DEMONSTRATION_NOISE, demonstration_rng)
+        reference = noisy_summary(post, REFERENCE_NOISE, reference_rng)
         if conversational:  # the chat template's tokenizer adds the leading space back (see data/tokenizer.py)
             rows["prompt"].append([{"role": "user", "content": post.prompt}])
             rows["completion"].append([{"role": "assistant", "content": demonstration.strip()}])

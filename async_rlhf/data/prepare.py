@@ -47,7 +47,7 @@ class SFTSettings:
     num_examples: int = 8192  # demonstrations from the train split
     steps: int = 800  # optimizer steps (about three minutes on two idle CPU cores, one thread: seven)
     batch_size: int = 64
-    learning_rate: float = 3e-3  # peak; linear warm-up over 5% of the steps, then cosine decay to 10%
+    learning_rate: float = 1e-3  # peak; linear warm-up over 5% of the steps, then cosine decay to 10%
     hidden_size: int = 128  # the policy: a Llama with this width, 4x wider MLP, head size hidden_size / num_heads
     num_layers: int = 4
     num_heads: int = 4
