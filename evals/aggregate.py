@@ -170,10 +170,17 @@ class RunResult:
         one) when the task evaluates, else the training reward of every logged step."""
         if not self.evaluated:
             return [(s["step"], self.elapsed(s), float(s[TRAIN_SCORE])) for s in self.steps]
-        points = {e["step"]: (e["step"], self.elapsed(e), e[GOLD_SCORE]) for e in self.evals if GOLD_SCORE in e}
+        return self.eval_curve(GOLD_SCORE)
+
+    def eval_curve(self, name: str) -> list[tuple[int, float, float]]:
+        """(step, elapsed seconds, value) of one evaluation metric: the evaluations logged during training, then
+        the final one (empty when the run has no final evaluation of it)."""
+        if not self.eval or name not in self.eval:
+            return []
+        points = {e["step"]: (e["step"], self.elapsed(e), e[name]) for e in self.evals if name in e}
         final_step = int(self.summary.get("steps") or max(points, default=0))
         wall = float(self.summary.get("wall_seconds", math.nan))  # raw elapsed time, like `elapsed`
-        points[final_step] = (final_step, wall, float(self.eval[GOLD_SCORE]))  # the final evaluation
+        points[final_step] = (final_step, wall, float(self.eval[name]))  # the final evaluation
         return [points[k] for k in sorted(points)]
 
 
@@ -285,11 +292,12 @@ class Cell:
     def staleness_bound(self) -> int:
         return max(int(r.summary.get("max_staleness", 0)) for r in self.runs)
 
-    def curve(self) -> tuple[list[float], list[float], list[float], list[float]]:
-        """(steps, elapsed seconds, mean score, std score) over the seeds, at every step all seeds logged."""
+    def curve(self, eval_name: str | None = None) -> tuple[list[float], list[float], list[float], list[float]]:
+        """(steps, elapsed seconds, mean, std) over the seeds, at every step all seeds logged: of the score, or of
+        the evaluation metric `eval_name` (e.g. "kl") when given."""
         by_step: dict[int, list[tuple[float, float]]] = {}
         for r in self.runs:
-            for step, elapsed, score in r.score_curve():
+            for step, elapsed, score in (r.eval_curve(eval_name) if eval_name else r.score_curve()):
                 by_step.setdefault(step, []).append((elapsed, score))
         steps, times, means, stds = [], [], [], []
         for step in sorted(by_step):
@@ -301,6 +309,21 @@ class Cell:
             means.append(mean)
             stds.append(0.0 if math.isnan(std) else std)
         return steps, times, means, stds
+
+
+    def peak(self) -> tuple[float, float, int | None, float]:
+        """The best point of the seed-mean gold win-rate curve: (mean, std over seeds, step, mean KL there).
+        All nan (step None) without gold evaluations: a peak of the noisy training reward would mean nothing.
+        It is picked on the same prompts it is measured on, so it flatters a little; the final score does not."""
+        if self.source("score_source") != GOLD_SCORE:
+            return math.nan, math.nan, None, math.nan
+        steps, _, means, stds = self.curve()
+        if not steps:
+            return math.nan, math.nan, None, math.nan
+        best = max(range(len(steps)), key=lambda i: means[i])
+        kl_steps, _, kls, _ = self.curve(GOLD_KL)
+        kl = dict(zip(kl_steps, kls)).get(steps[best], math.nan)
+        return means[best], (stds[best] if len(self.runs) > 1 else math.nan), steps[best], kl
 
 
 def group_cells(runs: list[RunResult]) -> list[Cell]:
@@ -329,6 +352,7 @@ def table_rows(cells: list[Cell]) -> list[dict]:
         row["score_mean"], row["score_std"] = c.stat("score")
         row["kl_source"] = c.source("kl_source")
         row["kl_mean"], row["kl_std"] = c.stat("kl")
+        row["peak_score_mean"], row["peak_score_std"], row["peak_step"], row["peak_kl_mean"] = c.peak()
         for k in extra:
             values = [r.eval_value(k) for r in c.runs]
             row[f"{k}_mean"], row[f"{k}_std"] = (mean_std(values) if not any(map(math.isnan, values))
@@ -380,8 +404,9 @@ def write_markdown(rows: list[dict], unfinished: list[dict], path: str, plots: l
                    command: str = "") -> None:
     axis_names = [k[len("axis:"):] for k in rows[0] if k.startswith("axis:")]
     extra = [k for k in EXTRA_EVAL_NAMES if f"{k}_mean" in rows[0]]
+    peaks = any(r["peak_step"] is not None for r in rows)
     header = (["algorithm", "knob"] + axis_names + ["seeds", score_label(rows), kl_label(rows)]
-              + [k.replace("_", " ") for k in extra]
+              + (["peak win-rate (step, KL)"] if peaks else []) + [k.replace("_", " ") for k in extra]
               + ["train wall s", "samples/s", "staleness mean", "staleness max (bound)", "dropped samples/run"])
     lines = ["# Sweep results", ""]
     if description:
@@ -393,12 +418,20 @@ def write_markdown(rows: list[dict], unfinished: list[dict], path: str, plots: l
               "the end); *samples/s*: samples / training-loop seconds (evaluations excluded). *Staleness*: optimizer "
               "steps between the policy that sampled a batch and the policy it trained, over every trained batch of "
               "every seed; the bound is max_staleness. *Dropped*: samples discarded for exceeding the bound (and "
-              "regenerated).", "",
+              "regenerated)." + (" *Peak win-rate*: the best point of the seed-mean win-rate curve over the "
+                                 "evaluations during training and the final one, with its step and mean KL; "
+                                 "picked on the evaluation prompts themselves, so it flatters a little (the final "
+                                 "win-rate does not), and where it comes well before the end the proxy reward was "
+                                 "over-optimised." if peaks else ""), "",
               "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
         knob = f"{KNOB_LETTERS.get(r['knob'], r['knob'])}={r['knob_value']}"
         cells = [r["algorithm"], knob] + [str(r[f"axis:{a}"]) for a in axis_names] + [str(r["n_seeds"])]
         cells += [_fmt(r["score_mean"], r["score_std"]), _fmt(r["kl_mean"], r["kl_std"])]
+        if peaks:
+            cells.append("–" if r["peak_step"] is None else
+                         f"{_fmt(r['peak_score_mean'], r['peak_score_std'])} ({r['peak_step']}, "
+                         f"{_fmt(r['peak_kl_mean'], digits=2)})")
         cells += [_fmt(r[f"{k}_mean"], r[f"{k}_std"]) for k in extra]
         cells += [_fmt(r["wall_seconds_mean"], r["wall_seconds_std"]),
                   _fmt(r["samples_per_s_mean"], r["samples_per_s_std"]), _fmt(r["staleness_mean"], digits=2),

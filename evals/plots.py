@@ -6,6 +6,9 @@
   hollow squares, asynchronous ones filled circles (what asynchrony saves, and at what score); right, the score
   during the run against elapsed time, one line per cell, synchronous dashed;
 - `winrate_over_steps.png`: the score over optimizer steps, one panel per algorithm, one line per knob value;
+- `winrate_vs_kl_over_training.png`: the gold win-rate against KL at every evaluation of the run, one panel per
+  algorithm, one line per knob value: the path each setting takes away from the SFT policy, where over-optimising
+  the proxy shows as a line that turns down while KL keeps growing (gold evaluations only);
 - `staleness_histograms.png`: how stale the trained batches really were, per algorithm and knob value, summed
   over seeds, with the bound.
 
@@ -21,9 +24,10 @@ from __future__ import annotations
 import math
 import os
 
-from evals.aggregate import FALLBACK_NOTE, kl_label, score_label
+from evals.aggregate import FALLBACK_NOTE, GOLD_KL, GOLD_SCORE, kl_label, score_label
 
-FILES = ("winrate_vs_kl.png", "winrate_vs_wallclock.png", "winrate_over_steps.png", "staleness_histograms.png")
+FILES = ("winrate_vs_kl.png", "winrate_vs_wallclock.png", "winrate_over_steps.png", "winrate_vs_kl_over_training.png",
+         "staleness_histograms.png")
 
 
 def _pyplot():
@@ -196,6 +200,41 @@ def winrate_over_steps(cells, path: str) -> str:
     return _save(fig, path, _notes(cells) + [note])
 
 
+def winrate_vs_kl_over_training(cells, path: str) -> str:
+    plt = _pyplot()
+    groups = _by_series(cells)
+    colors = _knob_colors(plt, cells)
+    fig, axes = _panels(plt, len(groups))
+    drawn = 0
+    for ax, (series, cs) in zip(axes, groups.items()):
+        for c in cs:
+            if c.source("score_source") != GOLD_SCORE:
+                continue
+            steps, _, scores, _ = c.curve()
+            kl_steps, _, kls, _ = c.curve(GOLD_KL)
+            kl_by_step = dict(zip(kl_steps, kls))
+            pts = [(kl_by_step[s], y, s) for s, y in zip(steps, scores) if s in kl_by_step]
+            if not pts:
+                continue
+            drawn += 1
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=4, color=colors[c.knob_value],
+                    ls="--" if c.synchronous else "-", label=c.knob_label + (" (sync)" if c.synchronous else ""))
+            ax.annotate(str(pts[-1][2]), pts[-1][:2], textcoords="offset points", xytext=(4, -3), fontsize=6,
+                        color=colors[c.knob_value])
+        ax.set_title(series, fontsize=10)
+        ax.set_xlabel(kl_label(cs))
+        ax.set_ylabel("gold win-rate")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    fig.suptitle("Gold win-rate vs KL through training, one line per off-policy setting", fontsize=11)
+    notes = ["one point per evaluation (during training, then the final one, labelled with its step); mean over "
+             "seeds at each step"]
+    if not drawn:
+        notes.append("no gold evaluations to draw (this task has no gold reward)")
+    return _save(fig, path, notes)
+
+
 def staleness_histograms(cells, path: str) -> str:
     plt = _pyplot()
     groups = _by_series(cells)
@@ -226,5 +265,6 @@ def staleness_histograms(cells, path: str) -> str:
 def draw_all(cells, plots_dir: str) -> list[str]:
     """Every figure of the sweep into plots_dir; returns their paths (always the same files, FILES)."""
     os.makedirs(plots_dir, exist_ok=True)
-    drawers = (winrate_vs_kl, winrate_vs_wallclock, winrate_over_steps, staleness_histograms)
+    drawers = (winrate_vs_kl, winrate_vs_wallclock, winrate_over_steps, winrate_vs_kl_over_training,
+               staleness_histograms)
     return [draw(cells, os.path.join(plots_dir, name)) for draw, name in zip(drawers, FILES)]

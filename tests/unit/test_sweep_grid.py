@@ -198,6 +198,22 @@ def test_cell_pools_staleness_over_seeds_and_keeps_only_shared_curve_steps():
     assert steps == [1, 2, 3, 4, 5] and means == [1.0, 2.0, 3.0, 4.0, 5.0]
 
 
+def test_peak_is_the_best_point_of_the_seed_mean_curve_with_its_kl():
+    def gold(seed, curve, final):  # curve: [(step, win-rate, kl)] during training; final at step 10
+        return _result(seed=seed, eval={"gold_win_rate": final[0], "kl": final[1]},
+                       evals=[{"step": s, "gold_win_rate": w, "kl": k} for s, w, k in curve])
+    a = gold(1, [(5, 0.60, 1.0)], (0.50, 2.0))
+    b = gold(2, [(5, 0.50, 1.2)], (0.54, 2.2))
+    cell = agg.group_cells([a, b])[0]
+    mean, std, step, kl = cell.peak()  # seed means: 0.55 at step 5, 0.52 at step 10 (the final evaluation)
+    assert (step, mean, kl) == (5, pytest.approx(0.55), pytest.approx(1.1)) and std == pytest.approx(0.0707, abs=1e-4)
+    assert cell.stat("score")[0] == pytest.approx(0.52)  # the table's main figure stays the final one
+    row = agg.table_rows([cell])[0]
+    assert row["peak_step"] == 5 and row["peak_kl_mean"] == pytest.approx(1.1)
+    fallback = agg.group_cells([_result()])[0]  # training reward only: no peak
+    assert fallback.peak()[2] is None and math.isnan(fallback.peak()[0])
+
+
 def test_command_is_accelerate_launch_of_the_recipe_with_the_run_config(tmp_path):
     grid = sweep.load_grid(_write(tmp_path, {**BASE, "accelerate_config": "launch/accelerate/cpu_1proc.yaml"}),
                            check_recipes=False)
