@@ -12,6 +12,20 @@ import psutil
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def start_logged(cmd: list[str], log_path, env: dict | None = None, own_session: bool = False) -> subprocess.Popen:
+    """Start `cmd` from the repository root with stdout and stderr into the file log_path. Not into a pipe: a pipe
+    the test does not drain fills at 64 KiB of step logs and blocks the child inside print(), where not even its
+    signal handlers run, so the test would hang on the pipe instead of testing the run."""
+    with open(log_path, "w") as log:  # the child holds its own descriptor
+        return subprocess.Popen(cmd, cwd=ROOT, env=env or {**os.environ, "WANDB_MODE": "disabled"}, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=own_session)
+
+
+def log_tail(log_path, chars: int = 4000) -> str:
+    with open(log_path, errors="replace") as f:
+        return f.read()[-chars:]
+
+
 def run_in_own_session(cmd: list[str], timeout: float, log_tail: int = 6000) -> str:
     """Run `cmd` from the repository root with WANDB off; return its output. Fails with the log's tail on a
     non-zero exit, on timeout (the whole session is killed), and when a process of the session outlives it."""

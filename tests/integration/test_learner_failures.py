@@ -25,8 +25,7 @@ from async_rlhf.checkpointing import COMPLETE_MARKER, CheckpointError, latest_co
 from async_rlhf.generation.pool import GeneratorFailed
 from async_rlhf.prompt_stream import PromptStream
 from async_rlhf.toy_task import lowercase_reward, toy_prompts
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from session_run import ROOT, log_tail, start_logged
 FAULT_RUN = os.path.join(ROOT, "tests/integration/fault_run.py")
 ENV = {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
@@ -42,11 +41,11 @@ def session_processes(sid: int) -> list[str]:
     return out
 
 
-def wait_for(condition, timeout: float, proc: subprocess.Popen, what: str) -> None:
+def wait_for(condition, timeout: float, proc: subprocess.Popen, log, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
-        assert proc.poll() is None, f"the run ended before {what}:\n{proc.stdout.read()[-4000:]}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        assert proc.poll() is None, f"the run ended before {what}:\n{log_tail(log)}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{log_tail(log)}"
         time.sleep(0.2)
 
 
@@ -78,10 +77,10 @@ def test_killed_learner_rank_ends_the_run_cleanly(tmp_path, victim):
     shm.mkdir()
     cmd = ["accelerate", "launch", "--config_file", os.path.join(ROOT, "launch/accelerate/cpu_2proc_gloo.yaml"),
            FAULT_RUN, str(out), "--max_steps", "400", "--save_steps", "3", "--shm_dir", str(shm)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    log = tmp_path / "log.txt"
+    proc = start_logged(cmd, log, env=ENV, own_session=True)
     try:
-        wait_for(lambda: trained_steps(out) >= 8 and latest_complete_checkpoint(str(out)), 300, proc, "step 8")
+        wait_for(lambda: trained_steps(out) >= 8 and latest_complete_checkpoint(str(out)), 300, proc, log, "step 8")
         ranks = {}
         for child in psutil.Process(proc.pid).children(recursive=True):
             rank = child.environ().get("RANK")
@@ -90,7 +89,7 @@ def test_killed_learner_rank_ends_the_run_cleanly(tmp_path, victim):
         assert sorted(ranks) == [0, 1], ranks
         t0 = time.monotonic()
         ranks[victim].kill()
-        log, _ = proc.communicate(timeout=120)
+        proc.wait(timeout=120)
         ended = time.monotonic() - t0
     finally:
         if proc.poll() is None:
@@ -191,10 +190,10 @@ def test_kill_minus_9_during_a_save_keeps_the_previous_checkpoint_resumable(tmp_
     shm.mkdir()
     steps = 10
     run = [sys.executable, FAULT_RUN, str(out), "--max_steps", str(steps), "--save_steps", "3", "--shm_dir", str(shm)]
-    proc = subprocess.Popen(run + ["--fault", where, "--at", "6"], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    log = tmp_path / "log.txt"
+    proc = start_logged(run + ["--fault", where, "--at", "6"], log, env=ENV, own_session=True)
     try:
-        wait_for(lambda: (out / "hanging_in_save").exists(), 240, proc, "the save of checkpoint-6")
+        wait_for(lambda: (out / "hanging_in_save").exists(), 240, proc, log, "the save of checkpoint-6")
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the whole run, mid-save
         proc.wait(30)

@@ -17,8 +17,7 @@ from async_rlhf.generation.pool import GeneratorFailed
 from async_rlhf.scoring import RewardError
 from async_rlhf.staleness_queue import StageTimeout
 from async_rlhf.toy_task import lowercase_reward, toy_prompts
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from session_run import ROOT, log_tail, start_logged
 
 
 def generator_processes() -> list[psutil.Process]:
@@ -68,18 +67,21 @@ def test_sigterm_mid_run_exits_promptly_and_leaves_no_process(tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "recipes/online_dpo.py"), "--task", "toy", "--output_dir", str(out),
            "--max_steps", "100000", "--generator_backend", "transformers", "--per_device_train_batch_size", "2",
            "--max_new_tokens", "6", "--max_length", "48", "--disable_tqdm", "true"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "WANDB_MODE": "disabled"})
+    log = tmp_path / "log.txt"
+    proc = start_logged(cmd, log)
     try:
         deadline = time.monotonic() + 180
         while not (out / "metrics.jsonl").exists():
-            assert proc.poll() is None, proc.stdout.read()[-3000:]
-            assert time.monotonic() < deadline, "the run never logged a step"
+            assert proc.poll() is None, log_tail(log)
+            assert time.monotonic() < deadline, "the run never logged a step\n" + log_tail(log)
             time.sleep(0.5)
         family = psutil.Process(proc.pid).children(recursive=True)
         assert family, "expected a generator process"
         proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the run did not exit within 60 s of SIGTERM\n" + log_tail(log))
     finally:
         if proc.poll() is None:
             proc.kill()
