@@ -310,20 +310,25 @@ class Cell:
             stds.append(0.0 if math.isnan(std) else std)
         return steps, times, means, stds
 
+    def win_rate_kl_path(self) -> list[tuple[int, float, float, float]]:
+        """(step, mean gold win-rate, its std over seeds, mean KL) at every evaluation that all seeds logged, with
+        both numbers. Empty without gold evaluations: a path of the noisy training reward would mean nothing."""
+        if self.source("score_source") != GOLD_SCORE:
+            return []
+        steps, _, means, stds = self.curve()
+        kl_steps, _, kls, _ = self.curve(GOLD_KL)
+        kl_at = dict(zip(kl_steps, kls))
+        return [(s, m, sd, kl_at[s]) for s, m, sd in zip(steps, means, stds) if s in kl_at]
 
     def peak(self) -> tuple[float, float, int | None, float]:
-        """The best point of the seed-mean gold win-rate curve: (mean, std over seeds, step, mean KL there).
-        All nan (step None) without gold evaluations: a peak of the noisy training reward would mean nothing.
-        It is picked on the same prompts it is measured on, so it flatters a little; the final score does not."""
-        if self.source("score_source") != GOLD_SCORE:
+        """The best point of the seed-mean gold win-rate path: (mean, std over seeds, step, mean KL there); all
+        nan (step None) without gold evaluations. It is picked on the same prompts it is measured on, so it
+        flatters a little; the final score does not."""
+        path = self.win_rate_kl_path()
+        if not path:
             return math.nan, math.nan, None, math.nan
-        steps, _, means, stds = self.curve()
-        if not steps:
-            return math.nan, math.nan, None, math.nan
-        best = max(range(len(steps)), key=lambda i: means[i])
-        kl_steps, _, kls, _ = self.curve(GOLD_KL)
-        kl = dict(zip(kl_steps, kls)).get(steps[best], math.nan)
-        return means[best], (stds[best] if len(self.runs) > 1 else math.nan), steps[best], kl
+        step, mean, std, kl = max(path, key=lambda p: p[1])
+        return mean, (std if len(self.runs) > 1 else math.nan), step, kl
 
 
 def group_cells(runs: list[RunResult]) -> list[Cell]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import os
 
-from evals.aggregate import FALLBACK_NOTE, GOLD_KL, GOLD_SCORE, kl_label, score_label
+from evals.aggregate import FALLBACK_NOTE, kl_label, score_label
 
 FILES = ("winrate_vs_kl.png", "winrate_vs_wallclock.png", "winrate_over_steps.png", "winrate_vs_kl_over_training.png",
          "staleness_histograms.png")
@@ -208,19 +208,15 @@ def winrate_vs_kl_over_training(cells, path: str) -> str:
     drawn = 0
     for ax, (series, cs) in zip(axes, groups.items()):
         for c in cs:
-            if c.source("score_source") != GOLD_SCORE:
-                continue
-            steps, _, scores, _ = c.curve()
-            kl_steps, _, kls, _ = c.curve(GOLD_KL)
-            kl_by_step = dict(zip(kl_steps, kls))
-            pts = [(kl_by_step[s], y, s) for s, y in zip(steps, scores) if s in kl_by_step]
-            if not pts:
+            trail = c.win_rate_kl_path()
+            if not trail:
                 continue
             drawn += 1
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=4, color=colors[c.knob_value],
+            ax.plot([p[3] for p in trail], [p[1] for p in trail], marker="o", markersize=4, color=colors[c.knob_value],
                     ls="--" if c.synchronous else "-", label=c.knob_label + (" (sync)" if c.synchronous else ""))
-            ax.annotate(str(pts[-1][2]), pts[-1][:2], textcoords="offset points", xytext=(4, -3), fontsize=6,
-                        color=colors[c.knob_value])
+            last_step, last_score, _, last_kl = trail[-1]
+            ax.annotate(str(last_step), (last_kl, last_score), textcoords="offset points", xytext=(4, -3),
+                        fontsize=6, color=colors[c.knob_value])
         ax.set_title(series, fontsize=10)
         ax.set_xlabel(kl_label(cs))
         ax.set_ylabel("gold win-rate")
