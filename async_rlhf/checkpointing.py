@@ -10,13 +10,12 @@ marker is written last, so a checkpoint killed half-way is never taken for a val
 
 from __future__ import annotations
 
-import dataclasses
 import glob
 import json
 import os
 import re
 
-from async_rlhf.types import Completion, RolloutBatch
+from async_rlhf.types import RolloutBatch
 
 PIPELINE_FILE = "async_rlhf_pipeline.json"
 COMPLETE_MARKER = "async_rlhf_complete.json"
@@ -40,7 +39,7 @@ def save_pipeline_state(directory: str, version: int, pending: list[RolloutBatch
                         identity: dict) -> None:
     _write_json(os.path.join(directory, PIPELINE_FILE), {
         "format": FORMAT, "version": version, "identity": identity, "counters": counters,
-        "pending": [dataclasses.asdict(b) for b in pending],
+        "pending": [b.to_dict() for b in pending],
     })
 
 
@@ -61,13 +60,6 @@ def latest_complete_checkpoint(output_dir: str) -> str | None:
     return max(found)[1] if found else None
 
 
-def batch_from_dict(d: dict) -> RolloutBatch:
-    """The inverse of `dataclasses.asdict(batch)` (checkpoints, and batches sent to other learner ranks)."""
-    d = dict(d)
-    comps = [[Completion(**c) for c in group] for group in d.pop("completions")]
-    return RolloutBatch(completions=comps, **d)
-
-
 def load_pipeline_state(directory: str, identity: dict) -> dict:
     """Validate a checkpoint and return {"version", "pending": [RolloutBatch], "counters"}."""
     if not os.path.isdir(directory):
@@ -79,7 +71,7 @@ def load_pipeline_state(directory: str, identity: dict) -> dict:
     try:
         with open(path) as f:
             state = json.load(f)
-        pending = [batch_from_dict(b) for b in state["pending"]]
+        pending = [RolloutBatch.from_dict(b) for b in state["pending"]]
         version = int(state["version"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"resume_from_checkpoint: {path} is unreadable or truncated: {exc}") from exc

@@ -8,9 +8,8 @@ rewards). `AsyncOnlineDPOConfig` adds online DPO's fields with TRL 1.16 `OnlineD
 
 from __future__ import annotations
 
-import difflib
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
@@ -266,18 +265,6 @@ class AsyncOnlineDPOConfig(AsyncRLConfig):
         if isinstance(self.beta, list):
             return self.beta[min(int(epoch), len(self.beta) - 1)]
         return self.beta
-
-
-def check_known_fields(config_cls: type, values: dict, source: str) -> None:
-    """Fail on keys that are not fields of `config_cls`, suggesting the closest names (misspellings)."""
-    known = {f.name for f in fields(config_cls)}
-    unknown = [k for k in values if k not in known]
-    if unknown:
-        hints = []
-        for key in unknown:
-            close = difflib.get_close_matches(key, known, n=3)
-            hints.append(f"{key!r}" + (f" (did you mean {', '.join(close)}?)" if close else ""))
-        raise ConfigError(f"{source}: unknown field(s) {', '.join(hints)}")
 
 
 OFF_POLICY_CORRECTIONS = ("none", "tis", "decoupled")

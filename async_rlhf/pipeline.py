@@ -11,6 +11,13 @@ Step protocol, per optimizer step b (every learner rank calls both, in this orde
    gathered (a collective, for sharded learners), published, and queued to every generator; then rank 0
    dispatches every batch that admission now allows (batch c is sent once the queued version >= c - S).
 
+Policy versions: the truth is the learner's optimizer-step count, `trainer.state.global_step` (version v = the
+weights after v optimizer steps; it is what a checkpoint restores). Everything else is derived from it and never
+counted on its own: `queued_version` is the step of the last weight sync (set only from the step passed to
+`after_optimizer_step`, or the checkpoint's step at start), a generator's loaded version is the `WeightUpdate.version`
+it last loaded (`pool.acks`), and a `RolloutBatch.policy_version` is the loaded version of the generator that
+sampled it.
+
 Generation therefore overlaps training by up to `max_staleness` steps and never more. The learner never waits
 for a weight *load*: FIFO inboxes guarantee a generator loads version v before it samples any batch dispatched
 after v was queued.
@@ -25,13 +32,14 @@ import time
 
 import torch
 
-from async_rlhf.checkpointing import batch_from_dict
-from async_rlhf.generation.pool import GeneratorFailed, GeneratorPool
+from async_rlhf.generation.pool import GeneratorPool
+from async_rlhf.generation.pool_protocol import GeneratorFailed, GeneratorPoolProtocol
 from async_rlhf.generation.worker import GeneratorSpec
 from async_rlhf.prompt_stream import PromptStream
 from async_rlhf.staleness_queue import StageTimeout, StalenessQueue
 from async_rlhf.types import GenerationRequest, RolloutBatch, SamplingSettings
 from async_rlhf.weight_sync import ShmWeightTransport, gather_full_state
+from async_rlhf.weight_sync.transport import WeightTransport
 
 
 class RolloutPipeline:
@@ -47,9 +55,9 @@ class RolloutPipeline:
         self.generator_model_path = generator_model_path
         self.engine_kwargs = engine_kwargs or {}
         self.queue = StalenessQueue(args.max_staleness)
-        self.pool = None  # GeneratorPool, or RemoteGeneratorPool with generator_servers
-        self.transport = None  # ShmWeightTransport, or BroadcastWeightTransport with generator_servers
-        self.queued_version = 0  # newest weights sent to the generators
+        self.pool: GeneratorPoolProtocol | None = None  # GeneratorPool, or RemoteGeneratorPool (generator_servers)
+        self.transport: WeightTransport | None = None  # ShmWeightTransport, or BroadcastWeightTransport (servers)
+        self.queued_version = 0  # newest weights sent to the generators (derived: see the module docstring)
         self.next_dispatch = 0  # next batch id to send
         self.regenerated = 0
         self.timers: collections.defaultdict[str, float] = collections.defaultdict(float)
@@ -61,7 +69,6 @@ class RolloutPipeline:
         self.load_seconds = 0.0  # generator-side weight loading, summed (kept after close)
         self.loaded_versions: dict[int, int] = {}  # generator id -> last acknowledged version (kept after close)
         self.restarts = 0
-        self._last_batch: RolloutBatch | None = None
         self._partial: dict[int, dict[int, RolloutBatch]] = {}  # batch id -> chunk -> rollouts (reader thread)
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
@@ -111,8 +118,8 @@ class RolloutPipeline:
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()  # first: it may still record the acknowledgements of the last weights
-            self.load_seconds = sum(self.pool.load_seconds)
-            self.loaded_versions = dict(self.pool.loaded_version)
+            self.load_seconds = sum(self.pool.acks.load_seconds)
+            self.loaded_versions = dict(self.pool.acks.loaded_version)
             self.restarts = sum(self.pool.restarts.values())
             self.pool = None
         if self.transport is not None:
@@ -147,14 +154,13 @@ class RolloutPipeline:
             message = None
             if self.is_main:
                 message = ({"failure": type(failure).__name__, "message": str(failure)} if failure is not None
-                           else {"batch": dataclasses.asdict(batch)})
+                           else {"batch": batch.to_dict()})
             message = broadcast_json(message, self.accelerator.device)
             if "failure" in message:
                 if failure is not None:
                     raise failure
                 raise {"GeneratorFailed": GeneratorFailed}.get(message["failure"], StageTimeout)(message["message"])
-            batch = batch_from_dict(message["batch"])
-        self._last_batch = batch
+            batch = RolloutBatch.from_dict(message["batch"])
         return batch
 
     def after_optimizer_step(self, model, version: int) -> None:
@@ -166,7 +172,7 @@ class RolloutPipeline:
             if self.is_main:
                 update = self.transport.publish(state, version)
                 self.pool.send_weights(update)
-                self.transport.release(self.pool.min_loaded_version())
+                self.transport.release(self.pool.acks.min_loaded_version())
                 self.queued_version = version
                 self.sync_bytes += update.num_bytes
                 self.syncs += 1
@@ -186,7 +192,7 @@ class RolloutPipeline:
         """Split batch `batch_id` into one contiguous chunk per generator (all generators work on every batch, so
         adding generators cuts the latency of each step, which is what matters at low staleness)."""
         ids = self.stream.prompts_for_step(batch_id)
-        chunks = min(len(self.pool.specs), len(ids))
+        chunks = min(self.pool.num_generators, len(ids))
         bounds = [round(i * len(ids) / chunks) for i in range(chunks + 1)]
         for c in range(chunks):
             part = ids[bounds[c]:bounds[c + 1]]
@@ -194,10 +200,10 @@ class RolloutPipeline:
             # every (batch, prompt, sample) its own stream, reproducible on regeneration and after resume
             seed = (None if self.settings.seed is None
                     else (self.settings.seed * 1_000_003 + batch_id) * 1_000_003 + bounds[c] * self.settings.n)
-            settings = SamplingSettings(**{**self.settings.__dict__, "seed": seed})
+            settings = dataclasses.replace(self.settings, seed=seed)
             request = GenerationRequest(batch_id, part, [self.prompt_token_ids[i] for i in part], settings,
                                         chunk=c, num_chunks=chunks)
-            self.pool.send_request((batch_id + c) % len(self.pool.specs), request)
+            self.pool.send_request((batch_id + c) % self.pool.num_generators, request)
 
     def _on_rollouts(self, part: RolloutBatch) -> None:
         """Reader thread: reassemble a batch from its chunks, then hand it to the staleness queue. The batch's
@@ -250,10 +256,10 @@ class RolloutPipeline:
             "sync/transfer_seconds": self.timers["sync_transfer"],
         }
         if self.pool is not None:
-            self.load_seconds = sum(self.pool.load_seconds)
-            out["generator/version_loaded"] = float(self.pool.min_loaded_version())
-        if hasattr(self.transport, "send_seconds"):  # broadcast: the sender thread's time, off the learner's path
-            out["sync/broadcast_seconds"] = self.transport.send_seconds
+            self.load_seconds = sum(self.pool.acks.load_seconds)
+            out["generator/version_loaded"] = float(self.pool.acks.min_loaded_version())
+        if self.transport is not None:
+            out.update(self.transport.stats())
         out["sync/load_seconds"] = self.load_seconds
         return out
 

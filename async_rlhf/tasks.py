@@ -52,8 +52,8 @@ def task_defaults(recipe: str) -> dict[str, str]:
 def setup_task(script: ScriptArguments, config):
     """Returns (model, reward_funcs, train_dataset, eval_fn or None)."""
     if script.task == "toy":
-        from async_rlhf.models import save_tiny_model
-        from async_rlhf.toy_task import lowercase_reward, toy_prompts
+        from async_rlhf.data.tiny_model import save_tiny_model
+        from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
 
         path = script.model_name_or_path or os.path.join(config.output_dir, "init_model")
         if not os.path.isfile(os.path.join(path, "config.json")):

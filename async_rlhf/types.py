@@ -6,11 +6,17 @@ through shared memory or a torch.distributed group (see `weight_sync/`), and the
 
 Versions: `policy_version` is the number of learner optimizer steps whose weights a generator had loaded when it
 sampled. Version 0 is the initial policy.
+
+Serialisation: a message that leaves a process as JSON (a checkpoint, a broadcast to other learner ranks, a
+network frame) is written with `to_dict()` and read back with `from_dict()`, which checks every field's type and
+refuses unknown or missing keys, so bad input fails at the edge with a message naming the field.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -24,6 +30,14 @@ class SamplingSettings:
     n: int = 2  # completions per prompt
     seed: int | None = None
 
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d) -> SamplingSettings:
+        return cls(**check_fields(d, "settings", {"max_new_tokens": nonneg, "temperature": number, "top_p": number,
+                                                  "top_k": integer, "n": nonneg, "seed": optional(integer)}))
+
 
 @dataclass(frozen=True)
 class Completion:
@@ -32,6 +46,15 @@ class Completion:
     token_ids: list[int]  # [T] generated tokens, EOS included when it was sampled
     logprobs: list[float]  # [T] behaviour log-prob of each sampled token under the generator's policy
     finish_reason: str  # "stop" (EOS or stop token) or "length" (hit max_new_tokens)
+
+    @classmethod
+    def from_dict(cls, d) -> Completion:
+        f = check_fields(d, "completion", {"token_ids": list_of(nonneg), "logprobs": list_of(number),
+                                           "finish_reason": string})
+        if len(f["token_ids"]) != len(f["logprobs"]) or f["finish_reason"] not in ("stop", "length"):
+            raise FieldError("completion: token_ids and logprobs differ in length, or finish_reason is not "
+                             "'stop'/'length'")
+        return cls(**f)
 
 
 @dataclass(frozen=True)
@@ -45,6 +68,19 @@ class GenerationRequest:
     settings: SamplingSettings
     chunk: int = 0  # a batch is split across generators: this is part `chunk` of `num_chunks`
     num_chunks: int = 1
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d) -> GenerationRequest:
+        f = check_fields(d, "generate", {"batch_id": nonneg, "prompt_ids": list_of(nonneg),
+                                         "prompt_token_ids": list_of(list_of(nonneg)),
+                                         "settings": SamplingSettings.from_dict, "chunk": nonneg,
+                                         "num_chunks": nonneg}, ignore=("kind", "token"))
+        if len(f["prompt_ids"]) != len(f["prompt_token_ids"]):
+            raise FieldError("generate: prompt_ids and prompt_token_ids differ in length")
+        return cls(**f)
 
 
 @dataclass(frozen=True)
@@ -92,6 +128,21 @@ class RolloutBatch:
     def num_tokens(self) -> int:
         return sum(len(c.token_ids) for group in self.completions for c in group)
 
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d) -> RolloutBatch:
+        """The one reader of `to_dict()`'s output: checkpoints, other learner ranks and the network all use it."""
+        f = check_fields(d, "rollouts", {
+            "batch_id": nonneg, "generator_id": integer, "policy_version": nonneg, "prompt_ids": list_of(nonneg),
+            "prompt_token_ids": list_of(list_of(nonneg)), "completions": list_of(list_of(Completion.from_dict)),
+            "seconds": number, "chunk": nonneg, "num_chunks": nonneg}, ignore=("kind", "token"))
+        if not len(f["prompt_ids"]) == len(f["prompt_token_ids"]) == len(f["completions"]):
+            raise FieldError(f"rollouts: {len(f['prompt_ids'])} prompt ids, {len(f['prompt_token_ids'])} prompts and "
+                             f"{len(f['completions'])} completion groups")
+        return cls(**f)
+
 
 @dataclass(frozen=True)
 class WeightAck:
@@ -126,8 +177,68 @@ class GeneratorError:
 class ScoredGroup:
     """One prompt with its n completions and their rewards, ready for a loss."""
 
-    prompt_id: int
+    prompt_id: int  # index in the prompt stream (ties a group back to its dataset row)
     prompt_token_ids: list[int]  # [L_p]
     completions: list[Completion]  # [n]
     rewards: list[float]  # [n] combined reward per completion (after penalties)
     policy_version: int  # version that sampled the completions
+
+
+# ---- field checks for from_dict ----------------------------------------------------------------------------------
+class FieldError(ValueError):
+    """A serialised message is malformed; the message names the message kind and the field."""
+
+
+def check_fields(d, kind: str, required: dict[str, Callable], ignore: tuple[str, ...] = ()) -> dict:
+    """`d`'s fields converted by their checks; unknown (except `ignore`) or missing keys are an error."""
+    if not isinstance(d, dict):
+        raise FieldError(f"{kind}: expected an object, got {type(d).__name__}")
+    unknown = set(d) - set(required) - set(ignore)
+    missing = set(required) - set(d)
+    if unknown or missing:
+        raise FieldError(f"{kind}: unknown field(s) {sorted(unknown)}, missing field(s) {sorted(missing)}")
+    out = {}
+    for name, check in required.items():
+        try:
+            out[name] = check(d[name])
+        except FieldError:
+            raise
+        except (TypeError, ValueError) as exc:
+            raise FieldError(f"{kind}.{name}: {exc}") from None
+    return out
+
+
+def integer(x) -> int:
+    if not isinstance(x, int) or isinstance(x, bool):
+        raise TypeError(f"expected an integer, got {type(x).__name__}")
+    return x
+
+
+def nonneg(x) -> int:
+    if integer(x) < 0:
+        raise ValueError(f"expected >= 0, got {x}")
+    return x
+
+
+def number(x) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise TypeError(f"expected a number, got {type(x).__name__}")
+    return float(x)
+
+
+def string(x) -> str:
+    if not isinstance(x, str):
+        raise TypeError(f"expected a string, got {type(x).__name__}")
+    return x
+
+
+def list_of(item: Callable) -> Callable:
+    def check(x):
+        if not isinstance(x, list):
+            raise TypeError(f"expected a list, got {type(x).__name__}")
+        return [item(v) for v in x]
+    return check
+
+
+def optional(check: Callable) -> Callable:
+    return lambda x: None if x is None else check(x)

@@ -23,7 +23,7 @@ def run(staleness: int, args, model_dir: str) -> dict:
     import torch
 
     from async_rlhf import AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer
-    from async_rlhf.toy_task import lowercase_reward, toy_prompts
+    from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
 
     torch.set_num_threads(args.learner_threads)
     out = tempfile.mkdtemp(prefix=f"bench-s{staleness}-")
@@ -51,7 +51,7 @@ def main() -> None:
     p.add_argument("--generator_threads", type=int, default=1)
     args = p.parse_args()
 
-    from async_rlhf.models import save_tiny_model
+    from async_rlhf.data.tiny_model import save_tiny_model
 
     model_dir = save_tiny_model(tempfile.mkdtemp(prefix="bench-model-"), hidden_size=args.hidden,
                                 num_layers=args.layers, num_heads=4)

@@ -147,8 +147,8 @@ def main() -> None:
     import torch
 
     from async_rlhf import AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer
-    from async_rlhf.models import save_tiny_model
-    from async_rlhf.toy_task import lowercase_reward, toy_prompts
+    from async_rlhf.data.tiny_model import save_tiny_model
+    from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
 
     torch.set_num_threads(1)
     out = args.output_dir or tempfile.mkdtemp(prefix="soak-")

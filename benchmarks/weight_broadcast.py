@@ -43,7 +43,7 @@ from weight_load import SIZES, median_seconds  # noqa: E402  (the shm half of th
 
 
 def build(size: str):
-    from async_rlhf.models import char_tokenizer, tiny_llama
+    from async_rlhf.data.tiny_model import char_tokenizer, tiny_llama
 
     hidden, layers, heads = SIZES[size]
     tokenizer = char_tokenizer()
@@ -138,11 +138,11 @@ def measure_broadcast(size: str, repeats: int, threads: int) -> dict:
             for version in range(1, repeats + 1):
                 t0 = time.perf_counter()
                 pool.send_weights(transport.publish(state, version))
-                while pool.min_loaded_version() < version:
+                while pool.acks.min_loaded_version() < version:
                     pool.check()
                     time.sleep(0.0005)
                 ends.append(time.perf_counter() - t0)
-                loads.append(pool.load_seconds[-1])
+                loads.append(pool.acks.load_seconds[-1])
             row["bc_load"], row["bc_sync"] = statistics.median(loads), statistics.median(ends)
         finally:
             pool.close()

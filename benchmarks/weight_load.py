@@ -57,7 +57,7 @@ def measure(size: str, repeats: int) -> dict:
 
     from async_rlhf.generation.hf_backend import HFBackend
     from async_rlhf.generation.vllm_backend import VLLMBackend
-    from async_rlhf.models import char_tokenizer, tiny_llama
+    from async_rlhf.data.tiny_model import char_tokenizer, tiny_llama
     from async_rlhf.types import WeightUpdate
 
     hidden, layers, heads = SIZES[size]

@@ -14,6 +14,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A tiny random Llama with the char tokenizer, saved once per test session."""
-    from async_rlhf.models import save_tiny_model
+    from async_rlhf.data.tiny_model import save_tiny_model
 
     return save_tiny_model(str(tmp_path_factory.mktemp("tiny_model")))

@@ -21,7 +21,7 @@ import re
 
 from datasets import Dataset, load_dataset
 
-from async_rlhf.prompts import DatasetError, is_conversational, prompt_text
+from async_rlhf.data.prompts import DatasetError, is_conversational, prompt_text
 
 logger = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ Guarantees:
 * a generator that dies or reports an error is restarted (at most `max_restarts` times per generator) with the
   newest weights, and the requests it had not answered are re-issued to it: no batch is lost. Past the limit,
   `check` raises `GeneratorFailed` naming the generator and its last error;
-* `check` raises `StageTimeout` if a generator has not acknowledged a weight update within `weight_sync_timeout`,
-  or a restarted engine is not up within `start_timeout`;
+* `check` raises `StageTimeout` if a generator has not acknowledged a weight update within `weight_sync_timeout`
+  (`AckTracker`, shared with the remote pool), or a restarted engine is not up within `start_timeout`;
 * `close` always leaves no generator process alive: Shutdown, then terminate, then kill, each bounded in time.
 """
 
@@ -24,6 +24,7 @@ import threading
 import time
 from typing import Callable
 
+from async_rlhf.generation.pool_protocol import AckTracker, GeneratorFailed
 from async_rlhf.generation.worker import GeneratorSpec, generator_main
 from async_rlhf.staleness_queue import StageTimeout
 from async_rlhf.types import GenerationRequest, RolloutBatch, Shutdown, WeightUpdate
@@ -31,11 +32,9 @@ from async_rlhf.types import GenerationRequest, RolloutBatch, Shutdown, WeightUp
 logger = logging.getLogger(__name__)
 
 
-class GeneratorFailed(RuntimeError):
-    """A generator process failed for good (start-up error, or restarts exhausted)."""
-
-
 class GeneratorPool:
+    """Generator processes on this machine (see `pool_protocol.GeneratorPoolProtocol`)."""
+
     def __init__(self, specs: list[GeneratorSpec], on_rollouts: Callable[[RolloutBatch], None],
                  start_timeout: float, weight_sync_timeout: float, max_restarts: int = 3):
         self.specs = list(specs)
@@ -47,12 +46,12 @@ class GeneratorPool:
         self.outbox = self._ctx.Queue()
         self.inboxes = [self._ctx.Queue() for _ in self.specs]
         self.processes = [self._process(spec, inbox) for spec, inbox in zip(self.specs, self.inboxes)]
-        self.loaded_version = {s.generator_id: s.initial_version for s in self.specs}
-        self.load_seconds: list[float] = []  # one entry per acknowledged update
+        self.num_generators = len(self.specs)
+        self.acks = AckTracker([s.generator_id for s in self.specs], self.specs[0].initial_version,
+                               weight_sync_timeout)
         self.restarts = {s.generator_id: 0 for s in self.specs}
         self._in_flight: dict[int, dict[tuple[int, int], GenerationRequest]] = {s.generator_id: {} for s in self.specs}
         self._last_update: WeightUpdate | None = None
-        self._pending_acks: dict[tuple[int, int], float] = {}  # (generator, version) -> time sent
         self._starting: dict[int, float] = {}  # generator -> time a restart was spawned (until Ready)
         self._errors: dict[int, str] = {}  # generator -> last error reported
         self._lock = threading.Lock()
@@ -111,11 +110,10 @@ class GeneratorPool:
 
     # ---- messages --------------------------------------------------------------------------------------
     def send_weights(self, update: WeightUpdate) -> None:
-        now = time.monotonic()
         with self._lock:
             self._last_update = update
             for spec, inbox in zip(self.specs, self.inboxes):
-                self._pending_acks[(spec.generator_id, update.version)] = now
+                self.acks.sent(spec.generator_id, update.version)
                 inbox.put(update)
 
     def send_request(self, generator_id: int, request: GenerationRequest) -> None:
@@ -123,24 +121,17 @@ class GeneratorPool:
             self._in_flight[generator_id][(request.batch_id, request.chunk)] = request
             self.inboxes[generator_id].put(request)
 
-    def min_loaded_version(self) -> int:
-        with self._lock:
-            return min(self.loaded_version.values())
-
     # ---- health --------------------------------------------------------------------------------------
     def check(self) -> None:
         """Restart dead generators; raise if one failed for good or a stage is overdue. Main thread only."""
         now = time.monotonic()
         with self._lock:
-            for (gid, version), sent in self._pending_acks.items():
-                if now - sent > self.weight_sync_timeout and gid not in self._starting:
-                    raise StageTimeout(
-                        f"weight sync: generator {gid} did not acknowledge weights v{version} within "
-                        f"{self.weight_sync_timeout:.0f}s (raise weight_sync_timeout if loading is slow)")
-            for gid, since in self._starting.items():
-                if now - since > self.start_timeout:
-                    raise StageTimeout(f"generator start: restarted generator {gid} not ready within "
-                                       f"{self.start_timeout:.0f}s")
+            starting = dict(self._starting)
+        self.acks.overdue(exempt=starting)
+        for gid, since in starting.items():
+            if now - since > self.start_timeout:
+                raise StageTimeout(f"generator start: restarted generator {gid} not ready within "
+                                   f"{self.start_timeout:.0f}s")
         for i, (spec, p) in enumerate(zip(self.specs, self.processes)):
             if p.exitcode is not None and not self._stop.is_set():
                 self._restart(i, f"exited with code {p.exitcode}")
@@ -166,10 +157,9 @@ class GeneratorPool:
             self.inboxes[i] = inbox
             self.processes[i] = self._process(spec, inbox)
             self._starting[gid] = time.monotonic()
-            self._pending_acks = {k: v for k, v in self._pending_acks.items() if k[0] != gid}
-            self.loaded_version[gid] = spec.initial_version
+            self.acks.reset(gid, spec.initial_version)
             if update is not None:  # FIFO: the newest weights load before any re-issued request
-                self._pending_acks[(gid, version)] = time.monotonic()
+                self.acks.sent(gid, version)
                 inbox.put(update)
             for request in sorted(self._in_flight[gid].values(), key=lambda r: (r.batch_id, r.chunk)):
                 inbox.put(request)
@@ -190,12 +180,11 @@ class GeneratorPool:
                 if fresh:
                     self.on_rollouts(msg)
                 continue
+            if msg.kind == "weights_loaded":
+                self.acks.acknowledged(msg.generator_id, msg.version, msg.seconds)
+                continue
             with self._lock:
-                if msg.kind == "weights_loaded":
-                    self._pending_acks.pop((msg.generator_id, msg.version), None)
-                    self.loaded_version[msg.generator_id] = msg.version
-                    self.load_seconds.append(msg.seconds)
-                elif msg.kind == "ready":
+                if msg.kind == "ready":
                     self._starting.pop(msg.generator_id, None)
                 elif msg.kind == "error":  # the process exits next; `check` restarts it
                     self._errors[msg.generator_id] = msg.message

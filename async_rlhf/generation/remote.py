@@ -1,7 +1,6 @@
 """Generators that run elsewhere: the trainer's side of `generation/server.py`. Lives on learner rank 0.
 
-`RemoteGeneratorPool` has the public face of `GeneratorPool` (`specs`, `start`, `send_request`, `send_weights`,
-`check`, `min_loaded_version`, `close`, and the counters the pipeline reads), so the pipeline, the staleness queue
+`RemoteGeneratorPool` implements `pool_protocol.GeneratorPoolProtocol`, like `GeneratorPool`, so the pipeline, the staleness queue
 and the admission rule work unchanged: a server answers requests in the order sent and tags every rollout with
 the version it had loaded, exactly like a local generator process. Weights go by `BroadcastWeightTransport`: the
 pool asks every server to join the group that rank 0 opens, and the first update it sends is the starting policy
@@ -34,8 +33,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from async_rlhf.generation import wire
+from async_rlhf.generation.pool_protocol import AckTracker, GeneratorFailed
 from async_rlhf.generation.wire import parse_address
-from async_rlhf.generation.pool import GeneratorFailed
 from async_rlhf.staleness_queue import StageTimeout
 from async_rlhf.types import GenerationRequest, RolloutBatch, WeightUpdate
 from async_rlhf.weight_sync.broadcast import BroadcastWeightTransport, WeightBroadcastError, state_from_model_dir
@@ -153,12 +152,12 @@ class RemoteGeneratorPool:
         self.broadcast_host = broadcast_host
         self.broadcast_port = broadcast_port
         self.connections: list[_Connection] = []
-        self.loaded_version = {s.generator_id: -1 for s in self.specs}  # -1: nothing acknowledged yet
-        self.load_seconds: list[float] = []
+        self.num_generators = len(self.specs)
+        self.acks = AckTracker([s.generator_id for s in self.specs], -1, weight_sync_timeout,  # -1: none loaded yet
+                               describe=lambda g: f"generator server {g} ({self.specs[g].address})")
         self.restarts = {s.generator_id: 0 for s in self.specs}  # never restarted: kept for the pipeline's summary
         self.start_seconds = 0.0
         self._in_flight: dict[int, dict[tuple[int, int], GenerationRequest]] = {s.generator_id: {} for s in self.specs}
-        self._pending_acks: dict[tuple[int, int], float] = {}
         self._failed: dict[int, str] = {}
         self._lock = threading.Lock()
         self._deliver = threading.Lock()
@@ -182,10 +181,11 @@ class RemoteGeneratorPool:
             conn.start(lambda frame, gid=gid: self._on_frame(gid, frame), lambda why, gid=gid: self._on_closed(gid, why))
         # the starting policy: the trainer's, whatever the servers were started with
         self.send_weights(self.transport.publish(state_from_model_dir(self.model_dir), self.initial_version))
-        while self.min_loaded_version() < self.initial_version:
+        while self.acks.min_loaded_version() < self.initial_version:
             self.check()
             if time.monotonic() > deadline:
-                late = [s.address for s in self.specs if self.loaded_version[s.generator_id] < self.initial_version]
+                late = [s.address for s in self.specs
+                        if self.acks.loaded_version[s.generator_id] < self.initial_version]
                 raise StageTimeout(f"generator start: generator server(s) {late} did not load the starting weights "
                                    f"v{self.initial_version} within generator_start_timeout={self.start_timeout:.0f}s")
             time.sleep(0.05)
@@ -241,7 +241,7 @@ class RemoteGeneratorPool:
     def close(self, timeout: float = 20.0) -> None:
         """Let the servers finish loading the weights already sent (at most `timeout`), then say bye."""
         deadline = time.monotonic() + timeout
-        while self._pending_acks and not self._failed and time.monotonic() < deadline:
+        while self.acks.waiting() and not self._failed and time.monotonic() < deadline:
             try:
                 self.transport.check()
             except WeightBroadcastError:
@@ -255,10 +255,9 @@ class RemoteGeneratorPool:
     # ---- messages --------------------------------------------------------------------------------------
     def send_weights(self, update: WeightUpdate) -> None:
         message = wire.encode_update(update)
-        now = time.monotonic()
         with self._lock:
             for conn in self.connections:
-                self._pending_acks[(conn.spec.generator_id, update.version)] = now
+                self.acks.sent(conn.spec.generator_id, update.version)
                 conn.send(message)
 
     def send_request(self, generator_id: int, request: GenerationRequest) -> None:
@@ -266,14 +265,9 @@ class RemoteGeneratorPool:
             self._in_flight[generator_id][(request.batch_id, request.chunk)] = request
             self.connections[generator_id].send(wire.encode_request(request))
 
-    def min_loaded_version(self) -> int:
-        with self._lock:
-            return min(self.loaded_version.values())
-
     # ---- health --------------------------------------------------------------------------------------
     def check(self) -> None:
         """Raise if a server failed or a weight update is overdue. Main thread only."""
-        now = time.monotonic()
         with self._lock:
             for gid, reason in self._failed.items():
                 spec = self.specs[gid]
@@ -285,12 +279,7 @@ class RemoteGeneratorPool:
         except WeightBroadcastError as exc:  # as a generator failure, so the pipeline handles it like any other
             raise GeneratorFailed(f"{exc}\n(generator servers in the group: "
                                   f"{', '.join(s.address for s in self.specs)})") from None
-            for (gid, version), sent in self._pending_acks.items():
-                if now - sent > self.weight_sync_timeout:
-                    raise StageTimeout(
-                        f"weight sync: generator server {gid} ({self.specs[gid].address}) did not acknowledge weights "
-                        f"v{version} within {self.weight_sync_timeout:.0f}s (raise weight_sync_timeout if loading, "
-                        "or the batch it was sampling first, is slow)")
+        self.acks.overdue()
 
     # ---- reader threads ----------------------------------------------------------------------------------
     def _on_frame(self, gid: int, frame: dict) -> None:
@@ -307,10 +296,7 @@ class RemoteGeneratorPool:
                     self.on_rollouts(batch)
             elif kind == "weights_loaded":
                 f = wire.decode_reply(frame, kind, {"version": wire.INT, "seconds": wire.FLOAT})
-                with self._lock:
-                    self._pending_acks.pop((gid, f["version"]), None)
-                    self.loaded_version[gid] = f["version"]
-                    self.load_seconds.append(f["seconds"])
+                self.acks.acknowledged(gid, f["version"], f["seconds"])
             elif kind == "error":
                 self._fail(gid, f"reported an error: {frame.get('message')}")
             else:

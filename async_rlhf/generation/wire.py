@@ -16,9 +16,8 @@ from __future__ import annotations
 import json
 import socket
 import struct
-from dataclasses import asdict
-
-from async_rlhf.types import Completion, GenerationRequest, RolloutBatch, SamplingSettings, WeightUpdate
+from async_rlhf.types import (FieldError, GenerationRequest, RolloutBatch, WeightUpdate, check_fields, list_of,
+                              nonneg, number, string)
 
 PROTOCOL = 1
 TOKEN_ENV = "ASYNC_RLHF_GENERATOR_TOKEN"  # where both ends read the shared token from
@@ -27,8 +26,7 @@ MESSAGE_MAX_BYTES = 1 << 30
 _HEADER = struct.Struct(">I")
 
 
-class ProtocolError(ValueError):
-    """A frame that is not a well-formed message of this protocol."""
+ProtocolError = FieldError  # a malformed frame or message: the same error the message types raise
 
 
 class ConnectionClosed(ConnectionError):
@@ -82,80 +80,13 @@ def parse_address(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
-# ---- field checks ---------------------------------------------------------------------------------------------
-def _fields(d: dict, kind: str, required: dict, optional: dict | None = None) -> dict:
-    optional = optional or {}
-    allowed = {"kind", "token", *required, *optional}
-    unknown = set(d) - allowed
-    missing = set(required) - set(d)
-    if unknown or missing:
-        raise ProtocolError(f"{kind}: unknown field(s) {sorted(unknown)}, missing field(s) {sorted(missing)}")
-    out = {}
-    for name, check in {**required, **optional}.items():
-        if name in d:
-            try:
-                out[name] = check(d[name])
-            except (TypeError, ValueError) as exc:
-                raise ProtocolError(f"{kind}.{name}: {exc}") from None
-    return out
-
-
-def _int(x):
-    if not isinstance(x, int) or isinstance(x, bool):
-        raise TypeError(f"expected an integer, got {type(x).__name__}")
-    return x
-
-
-def _nonneg(x):
-    if _int(x) < 0:
-        raise ValueError(f"expected >= 0, got {x}")
-    return x
-
-
-def _float(x):
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        raise TypeError(f"expected a number, got {type(x).__name__}")
-    return float(x)
-
-
-def _str(x):
-    if not isinstance(x, str):
-        raise TypeError(f"expected a string, got {type(x).__name__}")
-    return x
-
-
-def _list(item):
-    def check(x):
-        if not isinstance(x, list):
-            raise TypeError(f"expected a list, got {type(x).__name__}")
-        return [item(v) for v in x]
-    return check
-
-
-def _optional(check):
-    return lambda x: None if x is None else check(x)
-
-
 # ---- messages -------------------------------------------------------------------------------------------------
 def encode_request(request: GenerationRequest) -> dict:
-    return {"kind": "generate", **asdict(request)}
+    return {"kind": "generate", **request.to_dict()}
 
 
 def decode_request(d: dict) -> GenerationRequest:
-    f = _fields(d, "generate", {"batch_id": _nonneg, "prompt_ids": _list(_nonneg),
-                                "prompt_token_ids": _list(_list(_nonneg)), "settings": _settings,
-                                "chunk": _nonneg, "num_chunks": _nonneg})
-    if len(f["prompt_ids"]) != len(f["prompt_token_ids"]):
-        raise ProtocolError("generate: prompt_ids and prompt_token_ids differ in length")
-    return GenerationRequest(**f)
-
-
-def _settings(d) -> SamplingSettings:
-    if not isinstance(d, dict):
-        raise TypeError("expected an object")
-    return SamplingSettings(**_fields(d, "settings", {"max_new_tokens": _nonneg, "temperature": _float,
-                                                      "top_p": _float, "top_k": _int, "n": _nonneg,
-                                                      "seed": _optional(_int)}))
+    return GenerationRequest.from_dict(d)
 
 
 def encode_update(update: WeightUpdate) -> dict:
@@ -166,45 +97,32 @@ def encode_update(update: WeightUpdate) -> dict:
 
 
 def decode_update(d: dict) -> WeightUpdate:
-    f = _fields(d, "weights", {"version": _nonneg, "names": _list(_str), "dtypes": _list(_str),
-                               "shapes": _list(_list(_nonneg)), "num_bytes": _nonneg})
+    f = decode_reply(d, "weights", {"version": nonneg, "names": list_of(string), "dtypes": list_of(string),
+                                    "shapes": list_of(list_of(nonneg)), "num_bytes": nonneg})
     return WeightUpdate(transport="broadcast", **f)
 
 
 def encode_rollouts(batch: RolloutBatch) -> dict:
-    return {"kind": "rollouts", "batch_id": batch.batch_id, "policy_version": batch.policy_version,
-            "prompt_ids": batch.prompt_ids, "completions": [[asdict(c) for c in group] for group in batch.completions],
-            "seconds": batch.seconds, "chunk": batch.chunk, "num_chunks": batch.num_chunks}
+    """The batch's own serialisation, less its prompts (the trainer has them: it sent the request)."""
+    return {**batch.to_dict(), "kind": "rollouts", "prompt_token_ids": []}
 
 
 def decode_rollouts(d: dict, request: GenerationRequest, generator_id: int) -> RolloutBatch:
     """Rollouts for `request` (the one the trainer sent: its prompts are not sent back); tagged with the version the
     server had loaded, exactly like a local generator's."""
-    f = _fields(d, "rollouts", {"batch_id": _nonneg, "policy_version": _nonneg, "prompt_ids": _list(_nonneg),
-                                "completions": _list(_list(_completion)), "seconds": _float, "chunk": _nonneg,
-                                "num_chunks": _nonneg})
-    if (f["batch_id"], f["chunk"], f["prompt_ids"]) != (request.batch_id, request.chunk, request.prompt_ids):
-        raise ProtocolError(f"rollouts for batch {f['batch_id']} chunk {f['chunk']} do not match the request")
-    if len(f["completions"]) != len(request.prompt_ids) or any(len(g) != request.settings.n for g in f["completions"]):
-        raise ProtocolError(f"rollouts for batch {f['batch_id']}: expected {len(request.prompt_ids)} x "
-                            f"{request.settings.n} completions")
-    return RolloutBatch(batch_id=f["batch_id"], generator_id=generator_id, policy_version=f["policy_version"],
-                        prompt_ids=f["prompt_ids"], prompt_token_ids=request.prompt_token_ids,
-                        completions=f["completions"], seconds=f["seconds"], chunk=f["chunk"],
-                        num_chunks=f["num_chunks"])
-
-
-def _completion(d) -> Completion:
     if not isinstance(d, dict):
-        raise TypeError("expected an object")
-    f = _fields(d, "completion", {"token_ids": _list(_nonneg), "logprobs": _list(_float), "finish_reason": _str})
-    if len(f["token_ids"]) != len(f["logprobs"]) or f["finish_reason"] not in ("stop", "length"):
-        raise ValueError("token_ids and logprobs differ in length, or finish_reason is not 'stop'/'length'")
-    return Completion(**f)
+        raise ProtocolError("rollouts: expected an object")
+    batch = RolloutBatch.from_dict({**d, "prompt_token_ids": request.prompt_token_ids, "generator_id": generator_id})
+    if (batch.batch_id, batch.chunk, batch.prompt_ids) != (request.batch_id, request.chunk, request.prompt_ids):
+        raise ProtocolError(f"rollouts for batch {batch.batch_id} chunk {batch.chunk} do not match the request")
+    if any(len(g) != request.settings.n for g in batch.completions):
+        raise ProtocolError(f"rollouts for batch {batch.batch_id}: expected {len(request.prompt_ids)} x "
+                            f"{request.settings.n} completions")
+    return batch
 
 
 def decode_reply(d: dict, kind: str, required: dict) -> dict:
-    return _fields(d, kind, required)
+    return check_fields(d, kind, required, ignore=("kind", "token"))
 
 
-INT, FLOAT, STR = _nonneg, _float, _str
+INT, FLOAT, STR = nonneg, number, string

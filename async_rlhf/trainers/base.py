@@ -24,10 +24,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCa
 
 from async_rlhf import checkpointing
 from async_rlhf.config import AsyncRLConfig, ConfigError
-from async_rlhf.generation.pool import GeneratorFailed
-from async_rlhf.learner import prepare_frozen, reference_model
+from async_rlhf.generation.pool_protocol import GeneratorFailed
+from async_rlhf.frozen_models import prepare_frozen, reference_model
 from async_rlhf.pipeline import RolloutPipeline
-from async_rlhf.prompts import check_prompt_dataset, prompt_text, tokenize_prompts
+from async_rlhf.data.prompts import check_prompt_dataset, prompt_text, tokenize_prompts
 from async_rlhf.scoring import RewardScorer
 from async_rlhf.staleness_queue import StageTimeout
 from async_rlhf.types import RolloutBatch, SamplingSettings, ScoredGroup
@@ -136,7 +136,7 @@ class AsyncTrainerBase(Trainer):
             model = AutoModelForCausalLM.from_pretrained(model, **init_kwargs)
         if isinstance(ref_model, str):
             ref_model = AutoModelForCausalLM.from_pretrained(ref_model, **init_kwargs)
-        elif ref_model is None:  # under ZeRO-3 loaded again (partitioned), not copied: see learner.py
+        elif ref_model is None:  # under ZeRO-3 loaded again (partitioned), not copied: see frozen_models.py
             ref_model = reference_model(model, self._source_model_path, init_kwargs)
         ref_model.eval().requires_grad_(False)
         if args.disable_dropout:

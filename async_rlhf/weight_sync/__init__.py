@@ -2,7 +2,7 @@
 
 `gather.py` collects the full policy weights on learner rank 0 (collective on every rank, so that sharded
 learners can take part); a transport publishes them and returns the `WeightUpdate` message that tells a
-generator where to find them. Two transports share that shape: `shm.py` (RAM-backed safetensors, for local
+generator where to find them. Two transports implement `transport.WeightTransport`: `shm.py` (RAM-backed safetensors, for local
 generator processes) and `broadcast.py` (a torch.distributed group of its own, gloo on CPU and NCCL on GPU, for
 generator servers that may sit on other nodes).
 """

@@ -269,6 +269,9 @@ class BroadcastWeightTransport:
     def release(self, version: int) -> None:
         """Nothing to free: a version's tensors are dropped once sent."""
 
+    def stats(self) -> dict[str, float]:
+        return {"sync/broadcast_seconds": self.send_seconds}  # the sender thread's time, off the learner's path
+
     def close(self) -> None:
         if self._sender is not None and self._sender.is_alive():
             self._queue.put(None)

@@ -51,6 +51,8 @@ def remove_orphaned_dirs(shm_dir: str) -> list[str]:
 
 
 class ShmWeightTransport:
+    """`weight_sync.transport.WeightTransport` over safetensors files in a RAM-backed directory."""
+
     name = "shm"
 
     def __init__(self, shm_dir: str = "/dev/shm"):
@@ -78,6 +80,9 @@ class ShmWeightTransport:
                 v = int(name[len("policy-v"):-len(".safetensors")])
                 if v < version:
                     os.unlink(os.path.join(self.dir, name))
+
+    def stats(self) -> dict[str, float]:
+        return {}  # the write is on the learner's path: the pipeline's sync/transfer_seconds is its time
 
     def close(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)

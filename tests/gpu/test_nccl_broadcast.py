@@ -69,7 +69,7 @@ def test_remote_vllm_server_on_gpu_over_nccl(tiny_model_dir, tmp_path, monkeypat
 
     from async_rlhf import AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer
     from async_rlhf.generation.server import READY_LINE
-    from async_rlhf.toy_task import lowercase_reward, toy_prompts
+    from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
 
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "async_rlhf.generation.server", "--model", tiny_model_dir,

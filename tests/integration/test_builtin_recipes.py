@@ -16,7 +16,7 @@ import sft as sft_recipe  # noqa: E402
 from async_rlhf.data import builtin_task, prepare  # noqa: E402
 from async_rlhf.data.tokenizer import build_tokenizer  # noqa: E402
 from async_rlhf.evaluation import evaluate_policy  # noqa: E402
-from async_rlhf.models import tiny_llama  # noqa: E402
+from async_rlhf.data.tiny_model import tiny_llama  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from async_rlhf.generation import load_backend
 from async_rlhf.generation.hf_backend import HFBackend
-from async_rlhf.models import char_tokenizer, save_tiny_model, tiny_llama
+from async_rlhf.data.tiny_model import char_tokenizer, save_tiny_model, tiny_llama
 from async_rlhf.types import Completion, SamplingSettings, WeightUpdate
 
 EOS = char_tokenizer().eos_token_id

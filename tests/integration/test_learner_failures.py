@@ -22,9 +22,9 @@ from transformers import TrainerCallback
 
 from async_rlhf import AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer
 from async_rlhf.checkpointing import COMPLETE_MARKER, CheckpointError, latest_complete_checkpoint, load_pipeline_state
-from async_rlhf.generation.pool import GeneratorFailed
+from async_rlhf.generation.pool_protocol import GeneratorFailed
 from async_rlhf.prompt_stream import PromptStream
-from async_rlhf.toy_task import lowercase_reward, toy_prompts
+from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
 from session_run import ROOT, log_tail, start_logged
 FAULT_RUN = os.path.join(ROOT, "tests/integration/fault_run.py")
 ENV = {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from async_rlhf import AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer
-from async_rlhf.toy_task import lowercase_reward, toy_prompts
+from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
 
 
 @pytest.mark.parametrize("staleness", [0, pytest.param(1, marks=pytest.mark.slow)])

@@ -9,7 +9,7 @@ import pytest
 
 from async_rlhf import (AsyncBestOfNConfig, AsyncBestOfNTrainer, AsyncPPOConfig, AsyncPPOTrainer, AsyncRLOOConfig,
                         AsyncRLOOTrainer)
-from async_rlhf.toy_task import lowercase_reward, toy_prompts
+from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
 
 STEPS = 5
 LEARNERS = {

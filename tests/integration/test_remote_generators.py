@@ -22,10 +22,10 @@ import pytest
 
 from async_rlhf import AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer
 from async_rlhf.generation import wire
-from async_rlhf.generation.pool import GeneratorFailed
+from async_rlhf.generation.pool_protocol import GeneratorFailed
 from async_rlhf.generation.server import READY_LINE
-from async_rlhf.models import save_tiny_model
-from async_rlhf.toy_task import lowercase_reward, toy_prompts
+from async_rlhf.data.tiny_model import save_tiny_model
+from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

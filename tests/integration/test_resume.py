@@ -17,7 +17,7 @@ from transformers import TrainerCallback
 from async_rlhf import AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer
 from async_rlhf.checkpointing import COMPLETE_MARKER, CheckpointError, latest_complete_checkpoint
 from async_rlhf.prompt_stream import PromptStream
-from async_rlhf.toy_task import lowercase_reward, toy_prompts
+from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
 
 STEPS = 40
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -71,7 +71,7 @@ def test_stopped_and_resumed_run_matches_an_uninterrupted_one(tmp_path, tiny_mod
 
 
 def test_checkpoint_from_another_model_or_incomplete_is_refused_before_generators_start(tmp_path, tiny_model_dir):
-    from async_rlhf.models import save_tiny_model
+    from async_rlhf.data.tiny_model import save_tiny_model
 
     out = tmp_path / "run"
     first = AsyncOnlineDPOTrainer(tiny_model_dir, reward_funcs=lowercase_reward, train_dataset=toy_prompts(48),

@@ -13,10 +13,10 @@ import pytest
 from transformers import TrainerCallback
 
 from async_rlhf import AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer
-from async_rlhf.generation.pool import GeneratorFailed
+from async_rlhf.generation.pool_protocol import GeneratorFailed
 from async_rlhf.scoring import RewardError
 from async_rlhf.staleness_queue import StageTimeout
-from async_rlhf.toy_task import lowercase_reward, toy_prompts
+from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
 from session_run import ROOT, log_tail, start_logged
 
 

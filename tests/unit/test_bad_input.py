@@ -19,8 +19,8 @@ from datasets import Dataset
 from async_rlhf import AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer, AsyncRLOOConfig
 from async_rlhf.cli import parse_args
 from async_rlhf.config import ConfigError
-from async_rlhf.models import char_tokenizer
-from async_rlhf.prompts import DatasetError
+from async_rlhf.data.tiny_model import char_tokenizer
+from async_rlhf.data.prompts import DatasetError
 
 MISSING_MODEL = "/nonexistent/model"
 
@@ -105,7 +105,7 @@ def test_empty_prompts_name_the_row(output_dir, prompts, message):
 
 def test_huge_prompts_are_skipped_and_all_huge_is_refused_before_the_model_loads(output_dir, caplog):
     huge = "x" * 200_000
-    with caplog.at_level(logging.WARNING, logger="async_rlhf.prompts"):
+    with caplog.at_level(logging.WARNING, logger="async_rlhf.data.prompts"):
         with pytest.raises(OSError, match="nonexistent"):  # one huge prompt: skipped, the run goes on to load
             trainer(output_dir, dataset=Dataset.from_dict({"prompt": ["short", huge, "fine"]}),
                     tokenizer=char_tokenizer(), max_length=64, max_new_tokens=16)

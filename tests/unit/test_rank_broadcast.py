@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import torch
 
-from async_rlhf.generation.pool import GeneratorFailed
+from async_rlhf.generation.pool_protocol import GeneratorFailed
 from async_rlhf.pipeline import RolloutPipeline
 from async_rlhf.staleness_queue import StalenessQueue
 from async_rlhf.types import Completion, RolloutBatch

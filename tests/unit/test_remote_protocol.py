@@ -61,7 +61,7 @@ def test_request_and_rollouts_round_trip():
     assert decoded.prompt_token_ids == REQUEST.prompt_token_ids  # filled in from the request, not sent back
     with pytest.raises(wire.ProtocolError, match="do not match the request"):
         wire.decode_rollouts({**frame, "batch_id": 4}, REQUEST, 0)
-    with pytest.raises(wire.ProtocolError, match="expected 2 x 2"):
+    with pytest.raises(wire.ProtocolError, match="2 prompts and 1 completion groups"):
         wire.decode_rollouts({**frame, "completions": frame["completions"][:1]}, REQUEST, 0)
 
 

@@ -6,7 +6,7 @@ from datasets import Dataset
 
 from async_rlhf import AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer
 from async_rlhf.config import ConfigError
-from async_rlhf.prompts import DatasetError
+from async_rlhf.data.prompts import DatasetError
 
 MISSING_MODEL = "/nonexistent/model"
 

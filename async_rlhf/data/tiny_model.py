@@ -1,12 +1,12 @@
-"""Building and loading the models the pipeline trains: tiny Llama-style models built in code (no hub), and
-`from_pretrained` for everything else."""
+"""Tiny Llama-style models and a character tokenizer built in code (no hub): the toy task's policy and the
+models tests train."""
 
 from __future__ import annotations
 
 import string
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] + '\n' }}{% endfor %}"
@@ -67,7 +67,3 @@ def save_tiny_model(path: str, **kwargs) -> str:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
-
-
-def load_causal_lm(name_or_path: str, dtype: torch.dtype | str = "auto") -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)

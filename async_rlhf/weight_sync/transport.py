@@ -1,0 +1,31 @@
+"""The weight-transport boundary: how learner rank 0 hands a new policy to its generators.
+
+`publish(state, version)` takes the gathered full state dict (CPU tensors nobody else mutates) and returns the
+`WeightUpdate` message that tells a generator where to find it; the pool sends that message in FIFO order with
+the generation requests. `release(version)` says every generator has loaded `version` or newer, so anything older
+may be freed. `stats()` gives the transport's own metrics (stage-named, e.g. `sync/broadcast_seconds`); `close()`
+frees everything the transport holds and is idempotent.
+
+Implementations: `shm.ShmWeightTransport` (RAM-backed files for generator processes on this machine) and
+`broadcast.BroadcastWeightTransport` (a torch.distributed group with generator servers elsewhere).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from async_rlhf.types import WeightUpdate
+
+
+class WeightTransport(Protocol):
+    name: str
+
+    def publish(self, state: dict[str, torch.Tensor], version: int) -> WeightUpdate: ...
+
+    def release(self, version: int) -> None: ...
+
+    def stats(self) -> dict[str, float]: ...
+
+    def close(self) -> None: ...
