@@ -51,6 +51,27 @@ def is_complete(directory: str) -> bool:
     return os.path.isfile(os.path.join(directory, COMPLETE_MARKER))
 
 
+def identity(model_config, num_prompts: int, prompts_per_step: int, seed: int) -> dict:
+    """What must match between a checkpoint and the run resuming from it."""
+    c = model_config
+    return {"model": f"{c.model_type}/vocab{c.vocab_size}/hidden{getattr(c, 'hidden_size', None)}"
+                     f"/layers{getattr(c, 'num_hidden_layers', None)}",
+            "num_prompts": num_prompts, "prompts_per_step": prompts_per_step, "seed": seed}
+
+
+def resolve(resume_from_checkpoint, output_dir: str) -> str | None:
+    """The checkpoint directory to resume from: None, a path, or True / "last-checkpoint" for the newest complete
+    checkpoint in `output_dir` (an error if there is none)."""
+    if resume_from_checkpoint in (None, False, ""):
+        return None
+    if resume_from_checkpoint is True or resume_from_checkpoint == "last-checkpoint":
+        path = latest_complete_checkpoint(output_dir)
+        if path is None:
+            raise CheckpointError(f"resume_from_checkpoint: no complete checkpoint in {output_dir}")
+        return path
+    return str(resume_from_checkpoint)
+
+
 def latest_complete_checkpoint(output_dir: str) -> str | None:
     found = []
     for path in glob.glob(os.path.join(output_dir, "checkpoint-*")):

@@ -1,10 +1,14 @@
-"""Per-token log-probabilities of completions under a causal LM (policy, reference, or SFT model)."""
+"""Per-token log-probabilities of completions under a causal LM (policy, reference, or SFT model), and the terms
+every learner's loss starts from (`sequence_terms`): one forward of the policy, one of the frozen reference, and
+the generator's behaviour log-probs, on the same packed rows."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from async_rlhf.types import Completion
+from async_rlhf.types import Completion, ScoredGroup
 
 
 def pack_sequences(prompts: list[list[int]], completions: list[list[int]], pad_id: int, max_length: int):
@@ -73,3 +77,29 @@ def completion_batch(groups, pad_id: int, max_length: int, device, select=None):
     completions = [groups[g].completions[i] for g, i in pairs]
     ids, attn, comp = pack_sequences(prompts, [c.token_ids for c in completions], pad_id, max_length)
     return ids.to(device), attn.to(device), comp.to(device), completions
+
+
+@dataclass
+class SequenceTerms:
+    input_ids: torch.Tensor  # [B, L] prompt + completion, right-padded
+    attention_mask: torch.Tensor  # [B, L]
+    completion_mask: torch.Tensor  # [B, L] 1 on completion tokens
+    logps: torch.Tensor  # [B, L-1] policy log-probs at `temperature`, with gradient; 0 off the completion
+    ref_logps: torch.Tensor  # [B, L-1] frozen reference at `temperature`, no gradient
+    drift_logps: torch.Tensor  # [B, L-1] policy at the sampling temperature, no gradient (vs behaviour: drift)
+    behaviour: torch.Tensor  # [B, L-1] the generator's log-probs (mu), placed on the completion tokens
+    mask: torch.Tensor  # [B, L-1] 1 where position t scores a completion token
+    completions: list[Completion]  # [B] the rows' completions, in row order
+
+
+def sequence_terms(model, ref_model, groups: list[ScoredGroup], *, pad_id: int, max_length: int, device,
+                   temperature: float, sampling_temperature: float, select=None) -> SequenceTerms:
+    """The rows `select` ((group, completion) pairs; default every completion of every group) packed once and run
+    through the policy (with gradient) and the reference (without), both at `temperature`: 1 for DPO-style losses
+    on sequence log-probs, the sampling temperature for policy-gradient ratios against the behaviour log-probs."""
+    ids, attn, comp, completions = completion_batch(groups, pad_id, max_length, device, select)
+    logps, mask, drift = token_logps(model, ids, attn, comp, temperature=temperature,
+                                     drift_temperature=sampling_temperature)
+    with torch.no_grad():
+        ref, _, _ = token_logps(ref_model, ids, attn, comp, temperature=temperature)
+    return SequenceTerms(ids, attn, comp, logps, ref, drift, behaviour_logps(completions, mask), mask, completions)

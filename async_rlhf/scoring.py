@@ -1,4 +1,5 @@
-"""Scoring completions: reward models, reward functions, their weighted sum, penalties and failure policy.
+"""Scoring completions: a batch's rows become `ScoredGroup`s; reward models, reward functions, their weighted sum,
+penalties and failure policy; picking the best and worst completion of a group.
 
 A reward function is either a callable `f(prompts, completions, completion_ids, **columns) -> list[float|None]`
 (TRL's convention: text in, one score per completion), a sequence-classification model (its logit 0 on
@@ -11,10 +12,13 @@ the prompt id; "skip" marks the sample invalid (its score becomes NaN) and count
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
+
+from async_rlhf.data.prompts import prompt_text
+from async_rlhf.types import RolloutBatch, ScoredGroup
 
 
 class RewardError(RuntimeError):
@@ -104,3 +108,51 @@ class RewardScorer:
         self.skipped += int(torch.isnan(total).sum())
         return total, per_func
 
+
+
+def score_rows(batch: RolloutBatch, rows: range, scorer: RewardScorer, tokenizer,
+               dataset_row: Callable[[int], dict]) -> tuple[list[ScoredGroup], dict[str, float]]:
+    """The prompts `rows` of `batch` with their completions scored, and this scoring's metrics.
+
+    `dataset_row(prompt_id)` returns the prompt's dataset row: its `prompt` (text or chat messages) is what the
+    reward sees (the exact text the policy was conditioned on), every other column is passed to reward functions
+    by name, as TRL does. Metrics: `rewards/<name>/mean` per reward function (finite scores only),
+    `val/contain_eos_token`, `generator/completion_length`."""
+    eos = tokenizer.eos_token_id
+    prompts, completions, comp_ids, finished, pids = [], [], [], [], []
+    columns: dict[str, list] = {}
+    for r in rows:
+        pid = batch.prompt_ids[r]
+        row = dataset_row(pid)
+        text = prompt_text(row["prompt"], tokenizer)
+        for c in batch.completions[r]:
+            prompts.append(text)
+            completions.append(tokenizer.decode(c.token_ids, skip_special_tokens=True))
+            comp_ids.append(c.token_ids)
+            finished.append(c.finish_reason == "stop" or (len(c.token_ids) > 0 and c.token_ids[-1] == eos))
+            pids.append(pid)
+            for name, value in row.items():
+                if name != "prompt":
+                    columns.setdefault(name, []).append(value)
+    scores, per_func = scorer.score(prompts, completions, comp_ids, finished, pids, columns)
+    metrics = {}
+    for name, values in per_func.items():
+        finite = [v for v in values if math.isfinite(v)]
+        metrics[f"rewards/{name}/mean"] = sum(finite) / len(finite) if finite else 0.0
+    metrics["val/contain_eos_token"] = sum(finished) / len(finished)
+    metrics["generator/completion_length"] = sum(len(c) for c in comp_ids) / len(comp_ids)
+    n = len(batch.completions[rows[0]]) if len(rows) else 0
+    groups = [ScoredGroup(prompt_id=batch.prompt_ids[r], prompt_token_ids=batch.prompt_token_ids[r],
+                          completions=batch.completions[r], rewards=scores[i * n:(i + 1) * n].tolist(),
+                          policy_version=batch.policy_version)
+              for i, r in enumerate(rows)]
+    return groups, metrics
+
+
+def best_and_worst(rewards: list[float]) -> tuple[int, int] | None:
+    """Indices of the highest and the lowest finite reward (among equal rewards: the last as best, the first as
+    worst), or None when no reward is finite. Online DPO's chosen/rejected pair; Best-of-N's best."""
+    valid = [(r, i) for i, r in enumerate(rewards) if math.isfinite(r)]
+    if not valid:
+        return None
+    return max(valid)[1], min(valid)[1]

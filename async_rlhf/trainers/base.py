@@ -3,8 +3,10 @@
 The Trainer drives optimizer steps, logging, callbacks and saving; the data does not come from its dataloader
 but from the `RolloutPipeline`: the dataloader only yields one ticket per micro-batch, and `training_step`
 asks the pipeline for the rollouts of the current optimizer step. A subclass implements `compute_rollout_loss`
-(the algorithm); everything else (models, prompts, rewards, generators, weight sync, metrics, the end-of-run
-summary, shutting every process down) lives here.
+(the algorithm, from `logprobs.sequence_terms` and a loss in `losses/`). This class only wires the stages, each of
+which lives in its own module: prompts (`data/prompts.py`), frozen models (`frozen_models.py`), where generators
+run (`generation/placement.py`), the pipeline (`pipeline.py`), scoring (`scoring.py`), checkpoints
+(`checkpointing.py`) and the end-of-run summary (`run_summary.py`); and it always shuts every process down.
 """
 
 from __future__ import annotations
@@ -24,14 +26,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCa
 
 from async_rlhf import checkpointing
 from async_rlhf.config import AsyncRLConfig, ConfigError
-from async_rlhf.generation.pool_protocol import GeneratorFailed
+from async_rlhf.data.prompts import check_prompt_dataset, tokenize_prompts
 from async_rlhf.frozen_models import prepare_frozen, reference_model
+from async_rlhf.generation.placement import check_generator_devices, engine_kwargs, initial_model_dir
+from async_rlhf.generation.pool_protocol import GeneratorFailed
 from async_rlhf.pipeline import RolloutPipeline
-from async_rlhf.data.prompts import check_prompt_dataset, prompt_text, tokenize_prompts
-from async_rlhf.scoring import RewardScorer
+from async_rlhf.run_summary import build_summary, format_summary
+from async_rlhf.scoring import RewardScorer, score_rows
 from async_rlhf.staleness_queue import StageTimeout
 from async_rlhf.types import RolloutBatch, SamplingSettings, ScoredGroup
-from async_rlhf.weight_sync import gather_full_state
 
 LOG_HISTORY_KEPT = 100  # entries of `state.log_history` kept in memory; metrics.jsonl holds them all
 
@@ -79,24 +82,6 @@ def _disable_dropout(model: torch.nn.Module) -> None:
             module.p = 0.0
 
 
-def _check_generator_devices(args: AsyncRLConfig) -> None:
-    if getattr(args, "generator_servers", None):  # remote generators: their devices are the servers' business
-        return
-    count = torch.cuda.device_count()
-    missing = [d for d in args.generator_devices if d.startswith("cuda:") and int(d[5:]) >= count]
-    if missing:
-        valid = ["cpu"] + [f"cuda:{i}" for i in range(count)]
-        raise ConfigError(f"generator_devices: {missing} not on this machine, which has {count} GPU(s); "
-                          f"valid devices here: {valid}")
-    if args.device.type != "cuda":
-        return
-    learner = {f"cuda:{i}" for i in range(int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size)))}
-    clash = sorted(set(args.generator_devices) & learner)
-    if clash:
-        raise ConfigError(f"generator_devices: {clash} are also used by learner ranks ({sorted(learner)}); give the "
-                          "generators their own GPUs (e.g. launch learners on cuda:0-5 and generators on cuda:6,7)")
-
-
 class AsyncTrainerBase(Trainer):
     config_class = AsyncRLConfig
 
@@ -115,7 +100,7 @@ class AsyncTrainerBase(Trainer):
         if reward_funcs is None:
             raise ConfigError("reward_funcs: pass a reward function, a reward model or a path "
                               "(or set reward_model_path)")
-        _check_generator_devices(args)
+        check_generator_devices(args)
 
         # ---- tokenizer and prompts: cheap, so checked before any model loads -----------------------------------
         self._source_model_path = model if isinstance(model, str) else None
@@ -127,8 +112,7 @@ class AsyncTrainerBase(Trainer):
             processing_class.pad_token = processing_class.eos_token
         self.prompt_token_ids, kept_rows = tokenize_prompts(
             train_dataset, processing_class, args.max_length - args.max_new_tokens)
-        self.prompt_rows = kept_rows
-        self.extra_columns = [c for c in train_dataset.column_names if c != "prompt"]
+        self.prompt_rows = kept_rows  # prompt id -> dataset row
 
         # ---- models ------------------------------------------------------------------------------------------
         init_kwargs = args.model_init_kwargs or {}
@@ -181,6 +165,11 @@ class AsyncTrainerBase(Trainer):
         return SamplingSettings(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
                                 top_k=a.top_k if a.top_k > 0 else -1, n=a.num_generations, seed=a.seed)
 
+    def packing(self) -> dict:
+        """How `logprobs.sequence_terms` packs this trainer's rows."""
+        return {"pad_id": self.processing_class.pad_token_id, "max_length": self.args.max_length,
+                "device": self.accelerator.device}
+
     def micro_batch_groups(self) -> list[ScoredGroup]:
         """This rank's prompts of the current micro-batch, with their completions scored."""
         a = self.args
@@ -192,39 +181,14 @@ class AsyncTrainerBase(Trainer):
         per = a.per_device_train_batch_size
         start = (self._micro * self.accelerator.num_processes + self.accelerator.process_index) * per
         self._micro = (self._micro + 1) % a.gradient_accumulation_steps
-        rows = range(start, start + per)
-        tok = self.processing_class
-        eos = tok.eos_token_id
-        prompts, completions, comp_ids, finished, pids = [], [], [], [], []
-        columns = collections.defaultdict(list)
-        for r in rows:
-            pid = batch.prompt_ids[r]
-            row = self.train_dataset[self.prompt_rows[pid]]
-            ptext = prompt_text(row["prompt"], tok)
-            for c in batch.completions[r]:
-                prompts.append(ptext)
-                completions.append(tok.decode(c.token_ids, skip_special_tokens=True))
-                comp_ids.append(c.token_ids)
-                finished.append(c.finish_reason == "stop" or (len(c.token_ids) > 0 and c.token_ids[-1] == eos))
-                pids.append(pid)
-                for col in self.extra_columns:
-                    columns[col].append(row[col])
-        scores, per_func = self.scorer.score(prompts, completions, comp_ids, finished, pids, dict(columns))
-        n = a.num_generations
-        for name, values in per_func.items():
-            finite = [v for v in values if math.isfinite(v)]
-            self._metrics[f"rewards/{name}/mean"].append(sum(finite) / len(finite) if finite else 0.0)
-        self._metrics["val/contain_eos_token"].append(sum(finished) / len(finished))
-        self._metrics["generator/completion_length"].append(sum(len(c) for c in comp_ids) / len(comp_ids))
-        self._metrics["queue/staleness_of_batch"].append(float(step - batch.policy_version))
+        groups, metrics = score_rows(batch, range(start, start + per), self.scorer, self.processing_class,
+                                     lambda pid: self.train_dataset[self.prompt_rows[pid]])
+        metrics["queue/staleness_of_batch"] = float(step - batch.policy_version)
+        for k, v in metrics.items():
+            self._metrics[k].append(v)
         if first_micro and self.accelerator.is_main_process:
             self._record_trained_batch(step, batch)
-        return [
-            ScoredGroup(prompt_id=batch.prompt_ids[r], prompt_token_ids=batch.prompt_token_ids[r],
-                        completions=batch.completions[r], rewards=scores[i * n:(i + 1) * n].tolist(),
-                        policy_version=batch.policy_version)
-            for i, r in enumerate(rows)
-        ]
+        return groups
 
     def _record_trained_batch(self, step: int, batch: RolloutBatch) -> None:
         """The run's own record of what each step trained on (read by resume tests and audits)."""
@@ -253,58 +217,24 @@ class AsyncTrainerBase(Trainer):
         return loss.detach()
 
     # ---- run: start generators, train, always shut down --------------------------------------------------
-    def _generator_model_dir(self) -> tuple[str, bool]:
-        """A directory the generators start from (version 0): the source path, or a RAM copy. (path, is_temp)"""
-        src = self._source_model_path
-        if src and os.path.isfile(os.path.join(src, "config.json")):
-            return src, False
-        path = tempfile.mkdtemp(prefix="async_rlhf-init-", dir=self.args.shm_dir)
-        state = gather_full_state(self.model, self.accelerator.is_main_process)  # collective under ZeRO-3
-        if self.accelerator.is_main_process:
-            self.accelerator.unwrap_model(self.model).save_pretrained(path, state_dict=state)
-            self.processing_class.save_pretrained(path)
-        return path, True
-
-    def _engine_kwargs(self) -> dict:
-        a = self.args
-        if a.generator_backend != "vllm":
-            return {"dtype": str(next(self.model.parameters()).dtype).replace("torch.", "")}
-        return {"dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
-                "max_model_len": a.vllm_max_model_len or a.max_length,
-                "gpu_memory_utilization": a.vllm_gpu_memory_utilization,
-                "enforce_eager": a.vllm_enforce_eager, "tensor_parallel_size": a.vllm_tensor_parallel_size}
-
     def _identity(self) -> dict:
-        """What must match between a checkpoint and the run resuming from it."""
-        c = self.accelerator.unwrap_model(self.model).config
-        return {"model": f"{c.model_type}/vocab{c.vocab_size}/hidden{getattr(c, 'hidden_size', None)}"
-                         f"/layers{getattr(c, 'num_hidden_layers', None)}",
-                "num_prompts": len(self.prompt_token_ids), "prompts_per_step": self.args.prompts_per_step,
-                "seed": self.args.seed}
-
-    def _resolve_checkpoint(self, resume_from_checkpoint) -> str | None:
-        if resume_from_checkpoint in (None, False, ""):
-            return None
-        if resume_from_checkpoint is True or resume_from_checkpoint == "last-checkpoint":
-            path = checkpointing.latest_complete_checkpoint(self.args.output_dir)
-            if path is None:
-                raise checkpointing.CheckpointError(
-                    f"resume_from_checkpoint: no complete checkpoint in {self.args.output_dir}")
-            return path
-        return str(resume_from_checkpoint)
+        return checkpointing.identity(self.accelerator.unwrap_model(self.model).config, len(self.prompt_token_ids),
+                                      self.args.prompts_per_step, self.args.seed)
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
         if self.accelerator.device.type == "cpu":
             torch.set_num_threads(self.args.cpu_learner_threads())
-        checkpoint = self._resolve_checkpoint(resume_from_checkpoint)
+        checkpoint = checkpointing.resolve(resume_from_checkpoint, self.args.output_dir)
         restored = {"version": 0, "pending": [], "counters": {}}
         if checkpoint is not None:  # validated before any generator starts
             restored = checkpointing.load_pipeline_state(checkpoint, self._identity())
             model_dir, is_temp = checkpoint, False  # generators start from the checkpoint's weights
         else:
-            model_dir, is_temp = self._generator_model_dir()
+            model_dir, is_temp = initial_model_dir(self._source_model_path, self.model, self.processing_class,
+                                                   self.accelerator, self.args.shm_dir)
         self.pipeline = RolloutPipeline(self.args, self.prompt_token_ids, model_dir, self.accelerator,
-                                        self._total_steps(), self.sampling_settings(), self._engine_kwargs())
+                                        self._total_steps(), self.sampling_settings(),
+                                        engine_kwargs(self.args, self.model))
         self._stop_signal = 0
         previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
         for sig in previous:
@@ -328,7 +258,9 @@ class AsyncTrainerBase(Trainer):
         if self._stop_signal:
             raise KeyboardInterrupt(f"stopped by signal {self._stop_signal} after saving checkpoint-"
                                     f"{self.state.global_step} in {self.args.output_dir}")
-        self.run_summary = self._summary(time.perf_counter() - t0)
+        self.run_summary = build_summary(self.pipeline, self.args, self.accelerator, self.state.global_step,
+                                         time.perf_counter() - t0, self._loop_seconds, self.scorer.skipped,
+                                         self._last_metrics)
         if self.accelerator.is_main_process:
             print(format_summary(self.run_summary), flush=True)
             os.makedirs(self.args.output_dir, exist_ok=True)
@@ -395,53 +327,3 @@ class AsyncTrainerBase(Trainer):
         # step that grows by kilobytes a step, gigabytes over a long run (benchmarks/soak.py). The full record is
         # metrics.jsonl; memory and checkpoints keep the newest LOG_HISTORY_KEPT entries.
         del self.state.log_history[:-LOG_HISTORY_KEPT]
-
-    def _summary(self, wall: float) -> dict:
-        p = self.pipeline
-        stats = p.stats()
-        a = self.args
-        steps = self.state.global_step
-        return {
-            "steps": steps,
-            "prompts": steps * a.prompts_per_step,
-            "samples": steps * a.prompts_per_step * a.num_generations,
-            "wall_seconds": wall,
-            "loop_seconds": self._loop_seconds,
-            "generator_start_seconds": p.start_seconds,
-            "generate_seconds": p.gen_seconds,
-            "train_seconds": self._loop_seconds - p.timers["wait"],  # learner busy: all but waiting for rollouts
-            "wait_seconds": p.timers["wait"],
-            "sync_seconds": p.timers["sync_gather"] + p.timers["sync_transfer"],
-            "sync_load_seconds": stats.get("sync/load_seconds", 0.0),
-            "sync_bytes": p.sync_bytes,
-            "generators": len(a.generator_devices),
-            "generator_versions": p.loaded_versions,
-            "staleness_histogram": {int(k): v for k, v in sorted(p.queue.staleness_counts.items())},
-            "dropped": p.queue.dropped,
-            "generator_restarts": p.restarts,
-            "regenerated": p.regenerated,
-            "rewards_skipped": self.scorer.skipped,
-            "max_staleness": a.max_staleness,
-            "sync_every": a.sync_every,
-            "learners": {"processes": self.accelerator.num_processes,
-                         "distributed_type": self.accelerator.distributed_type.value,
-                         "zero_stage": getattr(self.accelerator.state.deepspeed_plugin, "zero_stage", None)},
-            "final": {k: v for k, v in self._last_metrics.items()
-                      if k in ("objective/scores", "objective/kl", "objective/rlhf_reward", "loss")},
-        }
-
-
-def format_summary(s: dict) -> str:
-    hist = ", ".join(f"{k}: {v}" for k, v in s["staleness_histogram"].items()) or "none"
-    final = ", ".join(f"{k} {v:.4g}" for k, v in s["final"].items())
-    return "\n".join([
-        "=== async_rlhf run summary ===",
-        f"steps {s['steps']} | prompts {s['prompts']} | samples {s['samples']} | wall {s['wall_seconds']:.1f}s "
-        f"(generator start {s['generator_start_seconds'] or 0:.1f}s)",
-        f"time: generating {s['generate_seconds']:.1f}s | training {s['train_seconds']:.1f}s | learner waiting "
-        f"{s['wait_seconds']:.1f}s | syncing {s['sync_seconds']:.2f}s (+{s['sync_load_seconds']:.2f}s loading in "
-        f"generators, {s['sync_bytes'] / 1e6:.1f} MB)",
-        f"staleness histogram (steps behind: batches) {{{hist}}} | bound {s['max_staleness']} | dropped "
-        f"{s['dropped']} | regenerated {s['regenerated']} | rewards skipped {s['rewards_skipped']}",
-        f"final: {final}",
-    ])

@@ -8,9 +8,10 @@ import math
 import torch
 
 from async_rlhf.config import AsyncBestOfNConfig
-from async_rlhf.logprobs import behaviour_logps, completion_batch, token_logps
+from async_rlhf.logprobs import sequence_terms
 from async_rlhf.losses.off_policy import log_ratio_stats
 from async_rlhf.losses.sft import best_of_n_nll
+from async_rlhf.scoring import best_and_worst
 from async_rlhf.trainers.base import AsyncTrainerBase
 
 
@@ -27,18 +28,15 @@ class AsyncBestOfNTrainer(AsyncTrainerBase):
 
     def compute_rollout_loss(self, model, groups):
         a = self.args
-        best = []
+        best = []  # (group, best completion, has a finite reward); a group without one keeps a row, masked out
         for g, group in enumerate(groups):
-            valid = [(r, i) for i, r in enumerate(group.rewards) if math.isfinite(r)]
-            best.append((g, max(valid)[1] if valid else 0, bool(valid)))
-        ids, attn, cmask, comps = completion_batch(groups, self.processing_class.pad_token_id, a.max_length,
-                                                   self.accelerator.device, [(g, i) for g, i, _ in best])
-        logps, mask, drift = token_logps(model, ids, attn, cmask, drift_temperature=a.temperature)
-        keep = torch.tensor([ok for _, _, ok in best], device=mask.device, dtype=mask.dtype)
-        loss, m = best_of_n_nll(logps, mask * keep[:, None])
-        with torch.no_grad():
-            ref, _, _ = token_logps(self.ref_model, ids, attn, cmask)
-        kl = ((logps.detach() - ref) * mask).sum(-1).mean().item()
+            ranked = best_and_worst(group.rewards)
+            best.append((g, ranked[0] if ranked else 0, ranked is not None))
+        t = sequence_terms(model, self.ref_model, groups, select=[(g, i) for g, i, _ in best], temperature=1.0,
+                           sampling_temperature=a.temperature, **self.packing())
+        keep = torch.tensor([ok for _, _, ok in best], device=t.mask.device, dtype=t.mask.dtype)
+        loss, m = best_of_n_nll(t.logps, t.mask * keep[:, None])
+        kl = ((t.logps.detach() - t.ref_logps) * t.mask).sum(-1).mean().item()
         chosen = [groups[g].rewards[i] for g, i, ok in best if ok]
         scores = [r for grp in groups for r in grp.rewards if math.isfinite(r)]
         metrics = {f"policy/{k}": float(v) for k, v in m.items()}
@@ -47,6 +45,6 @@ class AsyncBestOfNTrainer(AsyncTrainerBase):
             "objective/best_scores": sum(chosen) / len(chosen) if chosen else 0.0,
             "objective/kl": kl,
         })
-        drift_stats = log_ratio_stats(drift, behaviour_logps(comps, mask), mask)
+        drift_stats = log_ratio_stats(t.drift_logps, t.behaviour, t.mask)
         metrics.update({f"off_policy/{k}": float(drift_stats[k]) for k in ("log_ratio_mean", "log_ratio_abs_max")})
         return loss, metrics

@@ -13,26 +13,25 @@ import math
 import torch
 
 from async_rlhf.config import AsyncOnlineDPOConfig
-from async_rlhf.logprobs import behaviour_logps, completion_batch, token_logps
+from async_rlhf.logprobs import sequence_terms
 from async_rlhf.losses.dpo import dpo_loss
 from async_rlhf.losses.off_policy import log_ratio_stats
+from async_rlhf.scoring import best_and_worst
 from async_rlhf.trainers.base import AsyncTrainerBase
 from async_rlhf.types import ScoredGroup
 
 
 def select_pairs(groups: list[ScoredGroup]) -> tuple[list[tuple[int, int, int]], int]:
-    """(group index, chosen index, rejected index) per usable group, and the number of skipped groups."""
+    """(group index, chosen index, rejected index) per usable group, and the number of skipped groups (fewer than
+    two finite rewards, or the best and worst rewards tie)."""
     pairs, skipped = [], 0
     for g, group in enumerate(groups):
-        valid = [(r, i) for i, r in enumerate(group.rewards) if math.isfinite(r)]
-        if len(valid) < 2:
+        ranked = best_and_worst(group.rewards)
+        finite = sum(math.isfinite(r) for r in group.rewards)
+        if ranked is None or finite < 2 or group.rewards[ranked[0]] == group.rewards[ranked[1]]:
             skipped += 1
             continue
-        best, worst = max(valid), min(valid)
-        if best[0] == worst[0]:
-            skipped += 1
-            continue
-        pairs.append((g, best[1], worst[1]))
+        pairs.append((g, *ranked))
     return pairs, skipped
 
 
@@ -45,13 +44,9 @@ class AsyncOnlineDPOTrainer(AsyncTrainerBase):
         pairs, skipped = select_pairs(groups)
         used = pairs or [(g, 0, 1) for g in range(len(groups))]  # keep the graph (DDP) even with no pairs
         select = [(g, c) for g, c, _ in used] + [(g, r) for g, _, r in used]  # chosen rows, then rejected rows
-        input_ids, attention, comp_mask, completions = completion_batch(
-            groups, self.processing_class.pad_token_id, a.max_length, self.accelerator.device, select)
-        logps, mask, drift_logps = token_logps(model, input_ids, attention, comp_mask,
-                                               drift_temperature=a.temperature)
-        with torch.no_grad():
-            ref_logps, _, _ = token_logps(self.ref_model, input_ids, attention, comp_mask)
-        seq, ref_seq = logps.sum(-1), ref_logps.sum(-1)
+        t = sequence_terms(model, self.ref_model, groups, select=select, temperature=1.0,
+                           sampling_temperature=a.temperature, **self.packing())
+        seq, ref_seq = t.logps.sum(-1), t.ref_logps.sum(-1)
         n = len(used)
         beta = a.beta_at(self.state.epoch or 0.0)
         loss, m = dpo_loss(seq[:n], seq[n:], ref_seq[:n], ref_seq[n:], beta, a.loss_type)
@@ -72,9 +67,8 @@ class AsyncOnlineDPOTrainer(AsyncTrainerBase):
             "learner/skipped_groups": float(skipped),
             "beta": beta,
         })
-        behaviour = behaviour_logps(completions, mask)
         for part, rows in (("chosen", slice(0, n)), ("rejected", slice(n, 2 * n))):
-            drift = log_ratio_stats(drift_logps[rows], behaviour[rows], mask[rows])
+            drift = log_ratio_stats(t.drift_logps[rows], t.behaviour[rows], t.mask[rows])
             for k in ("log_ratio_mean", "log_ratio_abs_max", "is_weight_mean", "kl"):
                 metrics[f"off_policy/{part}_{k}"] = float(drift[k])
         return loss, metrics

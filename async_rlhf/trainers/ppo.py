@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from async_rlhf.config import AsyncPPOConfig
+from async_rlhf.logprobs import sequence_terms
 from async_rlhf.losses.ppo import gae_advantages, ppo_policy_loss, ppo_value_loss, whiten
 from async_rlhf.trainers.base import AsyncTrainerBase
 from async_rlhf.trainers.policy_gradient import common_metrics, policy_terms, ratio_denominator
@@ -57,9 +58,10 @@ class AsyncPPOTrainer(AsyncTrainerBase):
 
     def compute_rollout_loss(self, model, groups):
         a = self.args
-        t = policy_terms(self, model, groups)
-        values = token_values(self.critic, t.input_ids, t.attention_mask)
-        kl = (t.logps.detach() - t.ref_logps) * t.mask
+        t = policy_terms(sequence_terms(model, self.ref_model, groups, temperature=a.temperature,
+                                        sampling_temperature=a.temperature, **self.packing()), groups)
+        values = token_values(self.critic, t.seq.input_ids, t.seq.attention_mask)
+        kl = (t.seq.logps.detach() - t.seq.ref_logps) * t.mask
         rewards = -a.beta * kl
         last = (t.mask.cumsum(-1) == t.mask.sum(-1, keepdim=True)) & (t.mask > 0)  # last completion token
         rewards = rewards + last.to(rewards.dtype) * t.scores[:, None]
@@ -67,7 +69,7 @@ class AsyncPPOTrainer(AsyncTrainerBase):
         if a.whiten_advantages and int(t.mask.sum()) > 1:
             advantages = whiten(advantages, t.mask)
         old, mu = ratio_denominator(t, a.off_policy_correction)
-        pg_loss, pm = ppo_policy_loss(t.logps, old, advantages, t.mask, clip_eps=a.epsilon, behaviour_logps=mu,
+        pg_loss, pm = ppo_policy_loss(t.seq.logps, old, advantages, t.mask, clip_eps=a.epsilon, behaviour_logps=mu,
                                       off_policy=a.off_policy_correction, is_cap=a.is_cap)
         vf_loss, vm = ppo_value_loss(values, values.detach(), returns, t.mask, clip_range_value=a.cliprange_value)
         metrics = {f"policy/{k}": float(v) for k, v in pm.items()}

@@ -5,6 +5,7 @@ update against the behaviour (or proximal) log-probs. Constructor and config nam
 from __future__ import annotations
 
 from async_rlhf.config import AsyncRLOOConfig
+from async_rlhf.logprobs import sequence_terms
 from async_rlhf.losses.ppo import whiten
 from async_rlhf.losses.rloo import kl_shaped_rewards, rloo_advantages, rloo_loss
 from async_rlhf.trainers.base import AsyncTrainerBase
@@ -24,14 +25,15 @@ class AsyncRLOOTrainer(AsyncTrainerBase):
 
     def compute_rollout_loss(self, model, groups):
         a = self.args
-        t = policy_terms(self, model, groups)
-        shaped = kl_shaped_rewards(t.scores, t.logps.detach(), t.ref_logps, t.mask, a.beta)
+        t = policy_terms(sequence_terms(model, self.ref_model, groups, temperature=a.temperature,
+                                        sampling_temperature=a.temperature, **self.packing()), groups)
+        shaped = kl_shaped_rewards(t.scores, t.seq.logps.detach(), t.seq.ref_logps, t.mask, a.beta)
         advantages = rloo_advantages(shaped.view(len(groups), a.num_generations)).reshape(-1)
         advantages = advantages * t.valid.to(advantages.dtype)
         if a.normalize_advantages and int(t.valid.sum()) > 1:
             advantages = whiten(advantages, t.valid.to(advantages.dtype))
         old, mu = ratio_denominator(t, a.off_policy_correction)
-        loss, m = rloo_loss(t.logps, old, advantages, t.mask, clip_eps=a.epsilon, behaviour_logps=mu,
+        loss, m = rloo_loss(t.seq.logps, old, advantages, t.mask, clip_eps=a.epsilon, behaviour_logps=mu,
                             off_policy=a.off_policy_correction, is_cap=a.is_cap)
         metrics = {f"policy/{k}": float(v) for k, v in m.items()}
         metrics.update(common_metrics(t, shaped, a.beta))

@@ -1,0 +1,60 @@
+"""Where generators run and what they start from, decided on the learner before any generator starts.
+
+- `check_generator_devices`: the devices named in `generator_devices` exist and no learner rank uses them (checked
+  before any model loads, so a typo costs seconds, not a model load).
+- `engine_kwargs`: the engine settings a generator backend is built with (dtype of the learner's policy; vLLM's
+  context length, memory share, eager mode and tensor-parallel size).
+- `initial_model_dir`: the directory every generator loads version 0 from: the policy's own directory when it has
+  one, else a RAM copy written by rank 0 (a collective: every rank must call it under ZeRO-3).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+
+from async_rlhf.config import AsyncRLConfig, ConfigError
+from async_rlhf.weight_sync import gather_full_state
+
+INIT_PREFIX = "async_rlhf-init-"
+
+
+def check_generator_devices(args: AsyncRLConfig) -> None:
+    if args.generator_servers:  # remote generators: their devices are the servers' business
+        return
+    count = torch.cuda.device_count()
+    missing = [d for d in args.generator_devices if d.startswith("cuda:") and int(d[5:]) >= count]
+    if missing:
+        valid = ["cpu"] + [f"cuda:{i}" for i in range(count)]
+        raise ConfigError(f"generator_devices: {missing} not on this machine, which has {count} GPU(s); "
+                          f"valid devices here: {valid}")
+    if args.device.type != "cuda":
+        return
+    learner = {f"cuda:{i}" for i in range(int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size)))}
+    clash = sorted(set(args.generator_devices) & learner)
+    if clash:
+        raise ConfigError(f"generator_devices: {clash} are also used by learner ranks ({sorted(learner)}); give the "
+                          "generators their own GPUs (e.g. launch learners on cuda:0-5 and generators on cuda:6,7)")
+
+
+def engine_kwargs(args: AsyncRLConfig, policy: torch.nn.Module) -> dict:
+    dtype = str(next(policy.parameters()).dtype).replace("torch.", "")
+    if args.generator_backend != "vllm":
+        return {"dtype": dtype}
+    return {"dtype": dtype, "max_model_len": args.vllm_max_model_len or args.max_length,
+            "gpu_memory_utilization": args.vllm_gpu_memory_utilization, "enforce_eager": args.vllm_enforce_eager,
+            "tensor_parallel_size": args.vllm_tensor_parallel_size}
+
+
+def initial_model_dir(source_path: str | None, model, tokenizer, accelerator, shm_dir: str) -> tuple[str, bool]:
+    """(directory, is_temporary): `source_path` if it holds a saved model, else a RAM copy of `model`'s weights."""
+    if source_path and os.path.isfile(os.path.join(source_path, "config.json")):
+        return source_path, False
+    path = tempfile.mkdtemp(prefix=INIT_PREFIX, dir=shm_dir)
+    state = gather_full_state(model, accelerator.is_main_process)  # collective under ZeRO-3
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(model).save_pretrained(path, state_dict=state)
+        tokenizer.save_pretrained(path)
+    return path, True

@@ -1,0 +1,59 @@
+"""The end-of-run summary: what `run_summary.json` holds and the lines printed at the end of training.
+
+Built on rank 0 from the pipeline's counters (time generating, training, waiting, syncing; the staleness histogram
+of trained batches; drops, regenerations, restarts) and the last logged learner metrics. Sweeps and benchmarks
+read the JSON; a person reads the printed block.
+"""
+
+from __future__ import annotations
+
+FINAL_METRICS = ("objective/scores", "objective/kl", "objective/rlhf_reward", "loss")
+
+
+def build_summary(pipeline, args, accelerator, steps: int, wall: float, loop_seconds: float,
+                  rewards_skipped: int, last_metrics: dict[str, float]) -> dict:
+    p = pipeline
+    stats = p.stats()
+    return {
+        "steps": steps,
+        "prompts": steps * args.prompts_per_step,
+        "samples": steps * args.prompts_per_step * args.num_generations,
+        "wall_seconds": wall,
+        "loop_seconds": loop_seconds,
+        "generator_start_seconds": p.start_seconds,
+        "generate_seconds": p.gen_seconds,
+        "train_seconds": loop_seconds - p.timers["wait"],  # learner busy: all but waiting for rollouts
+        "wait_seconds": p.timers["wait"],
+        "sync_seconds": p.timers["sync_gather"] + p.timers["sync_transfer"],
+        "sync_load_seconds": stats.get("sync/load_seconds", 0.0),
+        "sync_bytes": p.sync_bytes,
+        "generators": len(args.generator_servers or args.generator_devices),
+        "generator_versions": p.loaded_versions,
+        "staleness_histogram": {int(k): v for k, v in sorted(p.queue.staleness_counts.items())},
+        "dropped": p.queue.dropped,
+        "generator_restarts": p.restarts,
+        "regenerated": p.regenerated,
+        "rewards_skipped": rewards_skipped,
+        "max_staleness": args.max_staleness,
+        "sync_every": args.sync_every,
+        "learners": {"processes": accelerator.num_processes,
+                     "distributed_type": accelerator.distributed_type.value,
+                     "zero_stage": getattr(accelerator.state.deepspeed_plugin, "zero_stage", None)},
+        "final": {k: v for k, v in last_metrics.items() if k in FINAL_METRICS},
+    }
+
+
+def format_summary(s: dict) -> str:
+    hist = ", ".join(f"{k}: {v}" for k, v in s["staleness_histogram"].items()) or "none"
+    final = ", ".join(f"{k} {v:.4g}" for k, v in s["final"].items())
+    return "\n".join([
+        "=== async_rlhf run summary ===",
+        f"steps {s['steps']} | prompts {s['prompts']} | samples {s['samples']} | wall {s['wall_seconds']:.1f}s "
+        f"(generator start {s['generator_start_seconds'] or 0:.1f}s)",
+        f"time: generating {s['generate_seconds']:.1f}s | training {s['train_seconds']:.1f}s | learner waiting "
+        f"{s['wait_seconds']:.1f}s | syncing {s['sync_seconds']:.2f}s (+{s['sync_load_seconds']:.2f}s loading in "
+        f"generators, {s['sync_bytes'] / 1e6:.1f} MB)",
+        f"staleness histogram (steps behind: batches) {{{hist}}} | bound {s['max_staleness']} | dropped "
+        f"{s['dropped']} | regenerated {s['regenerated']} | rewards skipped {s['rewards_skipped']}",
+        f"final: {final}",
+    ])
