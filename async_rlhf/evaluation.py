@@ -10,9 +10,13 @@ temperature 0.01). Then:
 - `sft_perplexity`: exp of the SFT model's mean per-token negative log-likelihood of those completions (EOS
   included when sampled), the paper's "KL (perplexity)" column.
 
-Sampling goes through a `GeneratorBackend` (see `generation/backend.py`): `TransformersSampler` below uses
-`model.generate`; any other backend with the same `generate` (vLLM) can be passed as `backend=`. Log-probs are
-always recomputed here with the transformers model, so every backend is measured the same way.
+Sampling goes through a `GeneratorBackend` (see `generation/backend.py`): by default `TransformersSampler`
+(`generation/hf_backend.py`) over the in-memory policy; any other backend with the same `generate` (vLLM) can be
+passed as `backend=`. Log-probs are always recomputed here with the transformers model, so every backend is
+measured the same way.
+
+`gold_evaluation` is the one builder of a task's evaluation function: the recipes (at the end and every
+`gold_eval_steps`), `evals/evaluate.py` and the sweeps all evaluate through it.
 """
 
 from __future__ import annotations
@@ -25,74 +29,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from async_rlhf.generation.backend import GeneratorBackend
-from async_rlhf.types import Completion, SamplingSettings, WeightUpdate
+from async_rlhf.generation.hf_backend import TransformersSampler
+from async_rlhf.types import SamplingSettings
 
 RewardFunction = Callable[..., list[float]]
-
-
-class TransformersSampler:
-    """`GeneratorBackend` over a transformers causal LM in this process (evaluation and data preparation only;
-    it never loads weights from a `WeightUpdate`: pass it the model you want sampled)."""
-
-    name = "transformers"
-
-    def __init__(self, model: PreTrainedModel, pad_token_id: int, eos_token_id: int, batch_size: int = 128):
-        self.model = model
-        self.pad_token_id = pad_token_id
-        self.eos_token_id = eos_token_id
-        self.batch_size = batch_size
-
-    @torch.no_grad()
-    def generate(self, prompt_token_ids: list[list[int]], settings: SamplingSettings) -> list[list[Completion]]:
-        if settings.seed is not None:
-            torch.manual_seed(settings.seed)
-        was_training = self.model.training
-        self.model.eval()
-        device = next(self.model.parameters()).device
-        out: list[list[Completion]] = []
-        for start in range(0, len(prompt_token_ids), self.batch_size):
-            batch = prompt_token_ids[start:start + self.batch_size]
-            width = max(len(p) for p in batch)
-            input_ids = torch.tensor([[self.pad_token_id] * (width - len(p)) + p for p in batch], device=device)
-            attention_mask = (torch.arange(width, device=device)[None] >= torch.tensor(
-                [width - len(p) for p in batch], device=device)[:, None]).long()
-            greedy = settings.temperature == 0.0
-            gen = self.model.generate(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                max_new_tokens=settings.max_new_tokens,
-                do_sample=not greedy,
-                temperature=None if greedy else settings.temperature,
-                top_p=None if greedy else settings.top_p,
-                top_k=None if greedy or settings.top_k < 0 else settings.top_k,
-                num_return_sequences=settings.n,
-                pad_token_id=self.pad_token_id,
-                eos_token_id=self.eos_token_id,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-            new_tokens = gen.sequences[:, width:]  # [B * n, T]
-            logps = torch.stack(gen.logits, dim=1).float().log_softmax(-1)  # [B * n, T, V]
-            logps = logps.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)  # [B * n, T]
-            for i in range(len(batch)):
-                group = []
-                for j in range(i * settings.n, (i + 1) * settings.n):
-                    ids = new_tokens[j].tolist()
-                    stop = ids.index(self.eos_token_id) + 1 if self.eos_token_id in ids else len(ids)
-                    group.append(Completion(
-                        token_ids=ids[:stop],
-                        logprobs=logps[j, :stop].tolist(),
-                        finish_reason="stop" if stop < len(ids) or ids[-1] == self.eos_token_id else "length",
-                    ))
-                out.append(group)
-        self.model.train(was_training)
-        return out
-
-    def load_weights(self, update: WeightUpdate) -> None:
-        raise NotImplementedError("TransformersSampler samples the model it was given; it does not load updates")
-
-    def close(self) -> None:
-        pass
 
 
 @torch.no_grad()
@@ -209,3 +149,34 @@ def evaluate_policy(
         for p, c, r in list(zip(prompts, completions, references))[:3]
     ]
     return metrics
+
+
+def gold_evaluation(reference_model: str, tokenizer_path: str | None, dataset, num_prompts: int,
+                    max_new_tokens: int = 24, seed: int = 0,
+                    backend_for: Callable[[str], GeneratorBackend | None] | None = None):
+    """A task's evaluation function `evaluate(model_or_dir) -> metrics`, or None when `num_prompts` is 0.
+
+    reference_model: the model KL and SFT perplexity are measured against, read once (with the tokenizer) at the
+        first evaluation, not at every one.
+    tokenizer_path: the task's tokenizer; None: the evaluated directory's own.
+    dataset: rows with `prompt` and `reference`; its first `num_prompts` rows are evaluated.
+    backend_for(directory): an engine to sample a saved policy with (closed after); None or a None result:
+        transformers in this process."""
+    if num_prompts <= 0:
+        return None
+    loaded = {}
+
+    def evaluate(model_or_dir):
+        if not loaded:
+            loaded["tokenizer"] = AutoTokenizer.from_pretrained(tokenizer_path) if tokenizer_path else None
+            loaded["reference"] = AutoModelForCausalLM.from_pretrained(reference_model, dtype=torch.float32)
+        engine = backend_for(model_or_dir) if backend_for is not None and isinstance(model_or_dir, str) else None
+        try:
+            return evaluate_policy(model_or_dir, loaded["reference"], num_prompts=num_prompts, seed=seed,
+                                   tokenizer=loaded["tokenizer"], dataset=dataset, max_new_tokens=max_new_tokens,
+                                   backend=engine)
+        finally:
+            if engine is not None:
+                engine.close()
+
+    return evaluate

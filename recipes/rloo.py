@@ -15,12 +15,23 @@ import sys
 if __package__ in (None, ""):  # `python recipes/rloo.py` from a checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from async_rlhf.cli import parse_args
 from async_rlhf.config import AsyncRLOOConfig
-from async_rlhf.tasks import ScriptArguments, run_recipe  # noqa: F401  (the sweep reads the flags from these)
+from async_rlhf.tasks import (ScriptArguments, add_periodic_evaluation, resume_argument, save_and_evaluate,
+                              setup_task, task_defaults)
+from async_rlhf.trainers.rloo import AsyncRLOOTrainer
 
 
-def main(argv: list[str]):
-    return run_recipe("rloo", AsyncRLOOConfig, "AsyncRLOOTrainer", argv)
+def main(argv: list[str]) -> AsyncRLOOTrainer:
+    script, config = parse_args((ScriptArguments, AsyncRLOOConfig), argv, task_defaults("rloo"))
+    with config.main_process_first(desc="task set-up"):  # rank 0 builds caches and models; the others then read
+        task = setup_task(script, config)
+    trainer = AsyncRLOOTrainer(model=task.model, reward_funcs=task.reward, args=config,
+                               train_dataset=task.train_dataset)
+    add_periodic_evaluation(trainer, task.evaluate, script.gold_eval_steps)
+    trainer.train(resume_from_checkpoint=resume_argument(config))
+    save_and_evaluate(trainer, task.evaluate, config.output_dir)
+    return trainer
 
 
 if __name__ == "__main__":

@@ -34,7 +34,8 @@ from transformers import AutoModelForCausalLM, LlamaForSequenceClassification, P
 
 from async_rlhf.data import builtin_task
 from async_rlhf.data.tokenizer import build_tokenizer
-from async_rlhf.evaluation import TransformersSampler, evaluate_policy
+from async_rlhf.evaluation import evaluate_policy
+from async_rlhf.generation.hf_backend import TransformersSampler
 from async_rlhf.data.tiny_model import tiny_llama
 from async_rlhf.types import SamplingSettings
 

@@ -1,11 +1,19 @@
-"""The transformers generator backend: `model.generate` for machines without vLLM, and the reference in tests.
+"""The transformers samplers: `HFBackend`, the generator backend for machines without vLLM (and the reference in
+tests), and `TransformersSampler`, which samples an in-memory model (evaluation and data preparation).
+
+Both return behaviour log-probs of the distribution each token was drawn from (see below), cut each completion
+after its first EOS the same way (`_cut_at_eos`), and differ only in how they batch: `HFBackend` repeats each
+prompt `n` times in one batch with its own GenerationConfig (only `SamplingSettings` apply), `TransformersSampler`
+uses `num_return_sequences` over batches of `batch_size` prompts with the model's own generation config. For
+`n > 1` the two therefore draw different (equally valid) samples from the same seed: the built-in task's prepared
+preference pairs come from `TransformersSampler` and are reproducible only with it.
 
 Behaviour log-probs come from `output_scores`, which transformers records *after* its logits processors: with
 sampling that is temperature, then top-k, then top-p (filtered tokens at -inf), the same order as vLLM, so
 `log_softmax(scores)` is the distribution each token was drawn from. With temperature 0 the search is greedy, no
 warper runs, and the scores are the raw logits (vLLM returns the same in that case).
 
-Prompts are left-padded into one batch and each is repeated `n` times (rather than `num_return_sequences`, which
+`HFBackend`: prompts are left-padded into one batch and each is repeated `n` times (rather than `num_return_sequences`, which
 greedy search refuses for n > 1). transformers keeps generating padding after a sequence's EOS until the whole
 batch is done; each completion is cut after its first EOS. `output_scores` keeps a [P*n, vocab] tensor per step in
 memory: fine for the small models this fallback is for, heavy for a 150k vocabulary at large batch.
@@ -14,7 +22,7 @@ memory: fine for the small models this fallback is for, heavy for a 150k vocabul
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
 from async_rlhf.types import Completion, SamplingSettings, WeightUpdate
 
@@ -73,15 +81,8 @@ class HFBackend:
             [s.float().log_softmax(-1).gather(-1, new_tokens[:, t, None])[:, 0] for t, s in enumerate(out.scores)], 1
         )
         new_tokens, logprobs = new_tokens.cpu(), logprobs.cpu()
-        flat = [self._completion(t.tolist(), lp.tolist(), settings) for t, lp in zip(new_tokens, logprobs)]
+        flat = [_cut_at_eos(t.tolist(), lp.tolist(), self.eos_ids) for t, lp in zip(new_tokens, logprobs)]
         return [flat[p * n : (p + 1) * n] for p in range(len(prompt_token_ids))]
-
-    def _completion(self, tokens: list[int], logprobs: list[float], settings: SamplingSettings) -> Completion:
-        for i, tok in enumerate(tokens):
-            if tok in self.eos_ids:
-                return Completion(tokens[: i + 1], logprobs[: i + 1], "stop")
-        assert len(tokens) == settings.max_new_tokens, "generation ended early without EOS"
-        return Completion(tokens, logprobs, "length")
 
     def load_weights(self, update: WeightUpdate) -> None:
         """Copy every tensor of the learner's state dict into the model; names must match exactly."""
@@ -117,3 +118,70 @@ class HFBackend:
     def close(self) -> None:
         self.leave_weight_group()
         self.model = None
+
+
+class TransformersSampler:
+    """`GeneratorBackend` over a transformers causal LM in this process (evaluation and data preparation only;
+    it never loads weights from a `WeightUpdate`: pass it the model you want sampled). Prompts are left-padded in
+    batches of `batch_size`."""
+
+    name = "transformers"
+
+    def __init__(self, model: PreTrainedModel, pad_token_id: int, eos_token_id: int, batch_size: int = 128):
+        self.model = model
+        self.pad_token_id = pad_token_id
+        self.eos_token_id = eos_token_id
+        self.batch_size = batch_size
+
+    @torch.no_grad()
+    def generate(self, prompt_token_ids: list[list[int]], settings: SamplingSettings) -> list[list[Completion]]:
+        if settings.seed is not None:
+            torch.manual_seed(settings.seed)
+        was_training = self.model.training
+        self.model.eval()
+        device = next(self.model.parameters()).device
+        out: list[list[Completion]] = []
+        for start in range(0, len(prompt_token_ids), self.batch_size):
+            batch = prompt_token_ids[start:start + self.batch_size]
+            width = max(len(p) for p in batch)
+            input_ids = torch.tensor([[self.pad_token_id] * (width - len(p)) + p for p in batch], device=device)
+            attention_mask = (torch.arange(width, device=device)[None] >= torch.tensor(
+                [width - len(p) for p in batch], device=device)[:, None]).long()
+            greedy = settings.temperature == 0.0
+            gen = self.model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                max_new_tokens=settings.max_new_tokens,
+                do_sample=not greedy,
+                temperature=None if greedy else settings.temperature,
+                top_p=None if greedy else settings.top_p,
+                top_k=None if greedy or settings.top_k < 0 else settings.top_k,
+                num_return_sequences=settings.n,
+                pad_token_id=self.pad_token_id,
+                eos_token_id=self.eos_token_id,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
+            new_tokens = gen.sequences[:, width:]  # [B * n, T]
+            logps = torch.stack(gen.scores, dim=1).float().log_softmax(-1)  # [B * n, T, V], after the warpers
+            logps = logps.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)  # [B * n, T]
+            flat = [_cut_at_eos(t, lp, {self.eos_token_id})
+                    for t, lp in zip(new_tokens.tolist(), logps.tolist())]
+            out.extend(flat[i * settings.n:(i + 1) * settings.n] for i in range(len(batch)))
+        self.model.train(was_training)
+        return out
+
+    def load_weights(self, update: WeightUpdate) -> None:
+        raise NotImplementedError("TransformersSampler samples the model it was given; it does not load updates")
+
+    def close(self) -> None:
+        pass
+
+
+def _cut_at_eos(tokens: list[int], logprobs: list[float], eos_ids) -> Completion:
+    """transformers keeps generating padding after a sequence's EOS until the whole batch is done: cut there. No
+    EOS: the completion hit `max_new_tokens` (or stopped on an EOS id the sampler was not told of)."""
+    for i, tok in enumerate(tokens):
+        if tok in eos_ids:
+            return Completion(tokens[: i + 1], logprobs[: i + 1], "stop")
+    return Completion(tokens, logprobs, "length")

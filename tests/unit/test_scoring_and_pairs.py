@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from async_rlhf.logprobs import pack_sequences
-from async_rlhf.scoring import RewardError, RewardScorer
+from async_rlhf.scoring import RewardError, RewardScorer, best_and_worst, score_rows
 from async_rlhf.trainers.online_dpo import select_pairs
 from async_rlhf.types import Completion, ScoredGroup
 
@@ -64,3 +64,42 @@ def test_pack_sequences_right_pads_and_cuts_prompts_from_the_left():
     assert ids.tolist() == [[2, 3, 7, 8], [4, 9, 0, 0]]
     assert attn.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
     assert comp.tolist() == [[0, 0, 1, 1], [0, 1, 0, 0]]
+
+
+def test_best_and_worst_breaks_ties_like_max_and_min_of_reward_index_pairs():
+    assert best_and_worst([0.1, 0.9, 0.5]) == (1, 0)
+    assert best_and_worst([0.3, 0.3, 0.3]) == (2, 0)  # equal rewards: the last is best, the first worst
+    assert best_and_worst([float("nan"), 1.0]) == (1, 1)
+    assert best_and_worst([float("nan"), float("inf")]) is None  # no finite reward
+
+
+class _CharTokenizer:
+    """Decodes token id i as chr(96 + i); id 0 is EOS."""
+
+    eos_token_id = 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(96 + i) for i in ids if not (skip_special_tokens and i == 0))
+
+
+def test_score_rows_scores_a_ranks_slice_and_passes_extra_columns():
+    from async_rlhf.types import RolloutBatch
+
+    seen = {}
+
+    def reward(prompts, completions, completion_ids, weight, **kw):
+        seen.update(prompts=prompts, weight=weight)
+        return [len(c) * w for c, w in zip(completions, weight)]
+
+    comps = [[Completion([1, 2, 0], [-1.0] * 3, "stop"), Completion([3], [-1.0], "length")] for _ in range(3)]
+    batch = RolloutBatch(batch_id=4, generator_id=0, policy_version=3, prompt_ids=[7, 8, 9],
+                         prompt_token_ids=[[1], [2], [3]], completions=comps, seconds=0.1)
+    rows = {7: {"prompt": "p7", "weight": 1.0}, 8: {"prompt": "p8", "weight": 2.0}, 9: {"prompt": "p9", "weight": 3.0}}
+    groups, metrics = score_rows(batch, range(1, 3), RewardScorer(reward), _CharTokenizer(), rows.__getitem__)
+    assert [g.prompt_id for g in groups] == [8, 9] and all(g.policy_version == 3 for g in groups)
+    assert seen == {"prompts": ["p8", "p8", "p9", "p9"], "weight": [2.0, 2.0, 3.0, 3.0]}
+    # "ab" (EOS dropped in decoding) and "c": lengths 2 and 1, times the row's weight
+    assert [g.rewards for g in groups] == [[4.0, 2.0], [6.0, 3.0]]
+    assert metrics["rewards/reward/mean"] == pytest.approx((4 + 2 + 6 + 3) / 4)
+    assert metrics["val/contain_eos_token"] == 0.5  # the first completion of each pair ends with EOS
+    assert metrics["generator/completion_length"] == 2.0  # (3 + 1) / 2 tokens
