@@ -14,7 +14,6 @@ import os
 import re
 import shutil
 import tempfile
-import time
 
 import torch
 from safetensors.torch import save_file
@@ -60,16 +59,13 @@ class ShmWeightTransport:
             raise FileNotFoundError(f"shm_dir: {shm_dir!r} does not exist (set shm_dir to a RAM-backed directory)")
         remove_orphaned_dirs(shm_dir)
         self.dir = tempfile.mkdtemp(prefix=f"{PREFIX}pid{os.getpid()}-", dir=shm_dir)
-        self.last_write_seconds = 0.0
 
     def publish(self, state: dict[str, torch.Tensor], version: int) -> WeightUpdate:
-        t0 = time.perf_counter()
         path = os.path.join(self.dir, f"policy-v{version}.safetensors")
         tmp = path + ".tmp"
         contiguous = {k: v.contiguous() for k, v in state.items()}
         save_file(contiguous, tmp)
         os.replace(tmp, path)
-        self.last_write_seconds = time.perf_counter() - t0
         num_bytes = sum(v.numel() * v.element_size() for v in contiguous.values())
         return WeightUpdate(version=version, transport="shm", path=path, names=list(contiguous), num_bytes=num_bytes)
 
