@@ -51,7 +51,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # `python launch/sweep.py` from a checkout: evals/ sits next to launch/
     sys.path.insert(0, ROOT)
 
-from evals.aggregate import aggregate, run_finished  # noqa: E402
+from evals.aggregate import aggregate  # noqa: E402
+from evals.run_result import run_finished  # noqa: E402
 
 QUICK_GRID = os.path.join(ROOT, "launch", "sweeps", "quick.yaml")
 DEFAULT_GRID = os.path.join(ROOT, "launch", "sweeps", "paper_ablation.yaml")

@@ -24,7 +24,7 @@ def _load_sweep():
 
 
 sweep = _load_sweep()
-from evals import aggregate as agg  # noqa: E402
+from evals import cells, run_result, table  # noqa: E402
 
 BASE = {"algorithms": ["online_dpo", "rloo"], "num_mini_batches": [1, 2], "seeds": [1, 2],
         "flags": {"task": "toy", "max_steps": 4}}
@@ -159,24 +159,24 @@ def test_error_line_prefers_the_last_exception_over_the_launcher_wrapper(tmp_pat
 
 # ---- aggregation arithmetic ----------------------------------------------------------------------------------------
 def test_mean_std_is_the_sample_std():
-    assert agg.mean_std([1.0, 2.0, 3.0]) == (2.0, 1.0)  # sqrt(((1-2)^2 + 0 + (3-2)^2) / (3 - 1)) = 1
-    mean, std = agg.mean_std([0.5])
+    assert cells.mean_std([1.0, 2.0, 3.0]) == (2.0, 1.0)  # sqrt(((1-2)^2 + 0 + (3-2)^2) / (3 - 1)) = 1
+    mean, std = cells.mean_std([0.5])
     assert mean == 0.5 and math.isnan(std)
-    assert all(math.isnan(x) for x in agg.mean_std([]))
+    assert all(math.isnan(x) for x in cells.mean_std([]))
 
 
 def test_eval_metrics_read_both_naming_styles():
     line = {"step": 4, "eval/gold_win_rate": 0.6, "eval_kl": 1.5, "eval/other": 3, "objective/kl": 9.0}
-    assert agg.eval_metrics(line) == {"gold_win_rate": 0.6, "kl": 1.5}
+    assert run_result.eval_metrics(line) == {"gold_win_rate": 0.6, "kl": 1.5}
 
 
-def _result(**kw) -> "agg.RunResult":
+def _result(**kw) -> "run_result.RunResult":
     base = dict(name="r", algorithm="a", knob="num_mini_batches", knob_value=2, seed=1, axes={},
                 summary={"steps": 10, "samples": 40, "wall_seconds": 12.0, "loop_seconds": 10.0,
                          "generator_start_seconds": 2.0, "dropped": 1, "staleness_histogram": {"0": 5, "1": 5}},
                 eval=None, steps=[{"step": s, "objective/scores": float(s), "objective/kl": 0.1 * s}
                                   for s in range(1, 11)])
-    return agg.RunResult(**{**base, **kw})
+    return run_result.RunResult(**{**base, **kw})
 
 
 def test_run_result_fallback_and_gold_scores():
@@ -192,7 +192,7 @@ def test_run_result_fallback_and_gold_scores():
 
 def test_cell_pools_staleness_over_seeds_and_keeps_only_shared_curve_steps():
     a, b = _result(seed=1), _result(seed=2, steps=_result().steps[:5])
-    cell = agg.group_cells([a, b])[0]
+    cell = cells.group_cells([a, b])[0]
     assert cell.staleness_histogram == {0: 10, 1: 10} and cell.staleness_mean == 0.5 and cell.staleness_max == 1
     steps, _, means, _ = cell.curve()
     assert steps == [1, 2, 3, 4, 5] and means == [1.0, 2.0, 3.0, 4.0, 5.0]
@@ -204,13 +204,13 @@ def test_peak_is_the_best_point_of_the_seed_mean_curve_with_its_kl():
                        evals=[{"step": s, "gold_win_rate": w, "kl": k} for s, w, k in curve])
     a = gold(1, [(5, 0.60, 1.0)], (0.50, 2.0))
     b = gold(2, [(5, 0.50, 1.2)], (0.54, 2.2))
-    cell = agg.group_cells([a, b])[0]
+    cell = cells.group_cells([a, b])[0]
     mean, std, step, kl = cell.peak()  # seed means: 0.55 at step 5, 0.52 at step 10 (the final evaluation)
     assert (step, mean, kl) == (5, pytest.approx(0.55), pytest.approx(1.1)) and std == pytest.approx(0.0707, abs=1e-4)
     assert cell.stat("score")[0] == pytest.approx(0.52)  # the table's main figure stays the final one
-    row = agg.table_rows([cell])[0]
+    row = table.table_rows([cell])[0]
     assert row["peak_step"] == 5 and row["peak_kl_mean"] == pytest.approx(1.1)
-    fallback = agg.group_cells([_result()])[0]  # training reward only: no peak
+    fallback = cells.group_cells([_result()])[0]  # training reward only: no peak
     assert fallback.peak()[2] is None and math.isnan(fallback.peak()[0])
 
 
