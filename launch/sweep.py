@@ -24,6 +24,8 @@ Guarantees:
   exit code is 1 when any run did not finish;
 - each run is its own process group: a timeout, Ctrl-C or SIGTERM sends it SIGTERM (the recipe checkpoints and
   stops), then SIGKILL after `--grace_seconds`; a second Ctrl-C kills at once. The sweep then exits with 130;
+- at the end (also when interrupted) `DIR/sweep_report.json` holds every run's status and `DIR/runs.jsonl` every
+  run's records in one file (evals/archive.py), which is what a grid's results under evals/results/ keep;
 - `--dry_run` writes nothing: it prints the plan and a time estimate (per run: start-up + max_steps x seconds per
   step, measured on this sweep's finished runs of the same algorithm, else the grid's `estimate`).
 The work is done in launch/sweeping/ (grid.py, runs.py, estimate.py, process.py, schedule.py; its __init__ maps

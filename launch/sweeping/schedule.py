@@ -7,7 +7,8 @@ Guarantees:
   error line; the others still run;
 - Ctrl-C or SIGTERM (raised as KeyboardInterrupt by the caller's handler) stops every running run the same way,
   marks the queued ones "not started", writes the report and re-raises;
-- whether it ends or is interrupted, the sweep leaves `DIR/sweep_report.json` (the command, every run's status).
+- whether it ends or is interrupted, the sweep leaves `DIR/sweep_report.json` (the command, every run's status)
+  and `DIR/runs.jsonl` (every run's records in one file, evals/archive.py: what results are committed as).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 
 import yaml
 
+from evals.archive import write_archive
 from evals.run_result import run_finished
 from launch.sweeping import process
 from launch.sweeping.estimate import duration, estimate
@@ -162,6 +164,7 @@ def _write_report(output_dir: str, grid: Grid, runs: list[Run], outcomes: dict[s
     report["failed"] = [o["name"] for o in report["runs"] if o["status"] not in ("finished", "skipped")]
     with open(os.path.join(output_dir, "sweep_report.json"), "w") as f:
         json.dump(report, f, indent=2)
+    write_archive(output_dir)  # every run directory's records in one file: how a grid's results are committed
 
 
 def print_report(outcomes: list[dict], output_dir: str) -> None:
