@@ -1,4 +1,4 @@
-"""The sweep's plots (matplotlib, PNG), drawn from the cells `evals/aggregate.py` builds. One function per figure:
+"""The sweep's plots (matplotlib, PNG), drawn from the cells of evals/cells.py. One function per figure:
 
 - `winrate_vs_kl.png`: final score against KL, one point per knob value (N or S), one line per algorithm: the
   paper's Pareto view (does going more off-policy cost reward, KL, or both?);
@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import os
 
-from evals.aggregate import FALLBACK_NOTE, kl_label, score_label
+from evals.labels import FALLBACK_NOTE, kl_label, score_label
 
 FILES = ("winrate_vs_kl.png", "winrate_vs_wallclock.png", "winrate_over_steps.png", "winrate_vs_kl_over_training.png",
          "staleness_histograms.png")

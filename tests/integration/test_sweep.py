@@ -5,7 +5,8 @@
   the exit code is 1, the table and the plots are written, and a second invocation skips the finished runs.
 - `test_runner_*`: the runner's mechanics with a stand-in recipe (no torch, seconds): failure, timeout (the run's
   whole process group is killed), skip on rerun, refusing a finished run whose flags changed, the gold-evaluation
-  path of the table (eval_results.json and evaluations logged in metrics.jsonl).
+  path of the table (eval_results.json and evaluations logged in metrics.jsonl), and the table made again by
+  `python evals/aggregate.py` from the sweep's runs.jsonl alone (how results are committed).
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def test_quick_grid_runs_skips_reports_failures_and_aggregates(tmp_path):
         assert report[name]["status"] == "failed"
         assert "generator_backend" in report[name]["message"], report[name]["message"]  # the recipe's own error
     assert "2 run(s) did not finish" in first.stdout
+    assert (out / "runs.jsonl").is_file()
     for name in good:
         run_dir = out / "runs" / name
         for written in ("config.yaml", "log.txt", "sweep_run.json", "metrics.jsonl", "run_summary.json"):
@@ -117,7 +119,9 @@ FAKE_RECIPE = textwrap.dedent('''
         seed: int = 0
         num_mini_batches: int = 1
         max_steps: int = 4
-        task: str = "builtin"  # "builtin" with eval_prompts > 0: the sweep expects eval_results.json
+        # a script outside recipes/ is assumed to take async_rlhf.tasks' flags, whose defaults (built-in task,
+        # eval_prompts > 0) make the sweep expect eval_results.json; this stand-in writes it
+        task: str = "builtin"
         eval_prompts: int = 8
         mode: str = "ok"  # ok | fail | hang
 
@@ -207,6 +211,18 @@ def test_runner_failure_timeout_skip_and_gold_table(tmp_path):
     table = (out / "results.md").read_text()
     assert "gold win-rate" in table and "†" not in table and "0.75 ± 0.071" in table
     _check_plots(out)
+
+    # runs.jsonl holds every run directory's records: the table made from it alone is the same
+    with open(out / "runs.jsonl") as f:
+        assert sorted(json.loads(line)["name"] for line in f) == sorted(os.listdir(out / "runs"))
+    again = tmp_path / "from_archive"
+    again.mkdir()
+    for name in ("runs.jsonl", "sweep_report.json"):
+        (again / name).write_bytes((out / name).read_bytes())
+    rebuilt = subprocess.run([sys.executable, "evals/aggregate.py", str(again), "--no_plots"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+    assert rebuilt.returncode == 0, rebuilt.stderr
+    assert (again / "results.csv").read_text() == (out / "results.csv").read_text()
 
     second = _sweep("--config", grid, "--output_dir", str(out), "--grace_seconds", "1", "--only", "good",
                     "--only", "bad", "--no_aggregate", timeout=120)

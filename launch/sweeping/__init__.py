@@ -1,0 +1,16 @@
+"""The staleness sweep behind `python launch/sweep.py` (the command-line entry), split by responsibility:
+
+    recipe_flags.py  which recipes the sweep runs, and the flags each accepts (a static table of their dataclasses)
+    grid.py          a grid file read and validated completely, before anything starts
+    runs.py          the grid expanded into runs: names, flags, commands, and the records in their directories
+    estimate.py      the plan and its cost (--dry_run, progress lines)
+    process.py       one run as its own process group: start, stop (SIGTERM, then SIGKILL), its error line
+    schedule.py      runs `jobs` at a time under their timeouts; sweep_report.json and runs.jsonl at the end
+
+A grid flows grid.py -> runs.py -> schedule.py (which uses process.py and estimate.py); evals/ turns the finished
+runs into the table and the plots. Nothing here imports launch/sweep.py, so the package never shadows it.
+"""
+
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
