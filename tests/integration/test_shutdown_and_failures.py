@@ -17,6 +17,7 @@ from async_rlhf.generation.pool import GeneratorFailed
 from async_rlhf.scoring import RewardError
 from async_rlhf.staleness_queue import StageTimeout
 from async_rlhf.toy_task import lowercase_reward, toy_prompts
+from run_records import check_staleness_records
 from session_run import ROOT, log_tail, start_logged
 
 
@@ -103,8 +104,7 @@ def test_killed_generator_is_restarted_and_no_batch_is_lost(tmp_path, tiny_model
     trainer.train()
     s = trainer.run_summary
     assert s["generator_restarts"] == 1
-    assert s["steps"] == 6 and sum(s["staleness_histogram"].values()) == 6
-    assert max(int(k) for k in s["staleness_histogram"]) <= 1
+    check_staleness_records(tmp_path, 6, 1, s, dropped=None)  # every step trained once, within the bound
     assert s["generator_versions"][0] >= 5  # the restarted generator caught up with the newest weights
     assert not generator_processes()
 
