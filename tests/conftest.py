@@ -1,4 +1,5 @@
 import os
+import pathlib
 
 import pytest
 
@@ -9,6 +10,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # 2-core machines: the test process (learner) and the generator processes it starts each get one thread, so they
 # run side by side instead of fighting over both cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+INTEGRATION_DIR = pathlib.Path(__file__).parent / "integration"
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    """Everything under tests/integration/ is marked `integration`: `-m "not integration"` is the unit tier."""
+    for item in items:
+        if item.path.is_relative_to(INTEGRATION_DIR):
+            item.add_marker(pytest.mark.integration)
 
 
 @pytest.fixture(scope="session")
