@@ -1,4 +1,5 @@
 import os
+import pathlib
 
 import pytest
 
@@ -11,9 +12,51 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+INTEGRATION_DIR = pathlib.Path(__file__).parent / "integration"
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    """Everything under tests/integration/ is marked `integration`: `-m "not integration"` is the unit tier."""
+    for item in items:
+        if item.path.is_relative_to(INTEGRATION_DIR):
+            item.add_marker(pytest.mark.integration)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A tiny random Llama with the char tokenizer, saved once per test session."""
     from async_rlhf.data.tiny_model import save_tiny_model
 
     return save_tiny_model(str(tmp_path_factory.mktemp("tiny_model")))
+
+
+@pytest.fixture
+def make_config(tmp_path):
+    """`make_config(cls=AsyncOnlineDPOConfig, **fields)`: a config with the library's defaults and `fields`,
+    writing to `tmp_path/out` unless `output_dir` is given."""
+    from async_rlhf import AsyncOnlineDPOConfig
+
+    def make(cls=AsyncOnlineDPOConfig, **fields):
+        return cls(**{"output_dir": str(tmp_path / "out"), **fields})
+
+    return make
+
+
+# A training run small enough for a test on 2 CPU cores: 2 prompts x 2 completions of at most 6 tokens per step,
+# on the transformers generator backend (starts in seconds, where vLLM on CPU takes 20-50 s), with timeouts that
+# fail a stuck run in minutes rather than the library's 5-10.
+TINY_RUN = dict(max_steps=3, per_device_train_batch_size=2, num_generations=2, max_new_tokens=6, max_length=48,
+                learning_rate=5e-3, lr_scheduler_type="constant", generator_backend="transformers", disable_tqdm=True,
+                generator_start_timeout=120, rollout_timeout=120)
+
+
+@pytest.fixture
+def tiny_run_config():
+    """`tiny_run_config(output_dir, **overrides)`: an online DPO config for a tiny CPU run (TINY_RUN above)."""
+    from async_rlhf import AsyncOnlineDPOConfig
+
+    def make(output_dir, **overrides):
+        return AsyncOnlineDPOConfig(**{**TINY_RUN, "output_dir": str(output_dir), **overrides})
+
+    return make

@@ -1,22 +1,25 @@
 """The real loop, end to end: `accelerate launch` with 2 learner ranks over gloo, a real vLLM generator process,
 shared-memory weight broadcast, online DPO on a learnable reward, at max_staleness 0 and 2.
 
-Everything is read back from the run's own records (run_summary.json, metrics.jsonl) and from the process table.
+Everything is read back from the run's own records (run_summary.json, metrics.jsonl, trained_batches.jsonl) and
+from the process table.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
+from run_records import check_staleness_records
 from session_run import ROOT, run_in_own_session
 
 STEPS = 14
 
 
-def _launch(tmp_path, staleness: int, backend: str = "vllm", procs: int = 2) -> tuple[dict, list[dict], str]:
+def _launch(tmp_path, staleness: int, backend: str = "vllm", procs: int = 2) -> tuple[dict, list[dict], str, Path]:
     out = tmp_path / f"s{staleness}"
     launcher = ["accelerate", "launch", "--config_file",
                 os.path.join(ROOT, "launch/accelerate", "cpu_2proc_gloo.yaml" if procs == 2 else "cpu_1proc.yaml")]
@@ -31,7 +34,7 @@ def _launch(tmp_path, staleness: int, backend: str = "vllm", procs: int = 2) -> 
     log = run_in_own_session(cmd, timeout=900)
     summary = json.loads((out / "run_summary.json").read_text())
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return summary, [m for m in metrics if "loss" in m], log
+    return summary, [m for m in metrics if "loss" in m], log, out
 
 
 @pytest.fixture(scope="module")
@@ -42,22 +45,20 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("staleness", [0, 2])
 def test_staleness_bound_held_for_every_trained_batch(runs, staleness):
-    summary, steps, log = runs[staleness]
-    assert summary["steps"] == STEPS
-    hist = {int(k): v for k, v in summary["staleness_histogram"].items()}
-    assert sum(hist.values()) == STEPS
-    assert max(hist) <= staleness, hist
-    assert summary["dropped"] == 0  # admission control paced generation; nothing had to be thrown away
+    summary, steps, log, out = runs[staleness]
+    # dropped == 0: admission control paced generation; nothing had to be thrown away
+    check_staleness_records(out, STEPS, staleness, summary, dropped=0)
     assert "=== async_rlhf run summary ===" in log
 
 
 def test_async_run_actually_overlaps(runs):
-    hist = {int(k): v for k, v in runs[2][0]["staleness_histogram"].items()}
-    assert max(hist) >= 1, f"max_staleness=2 never trained on a stale batch: {hist}"
+    summary, _, _, out = runs[2]
+    staleness = check_staleness_records(out, STEPS, 2, summary)
+    assert max(staleness) >= 1, f"max_staleness=2 never trained on a stale batch: {staleness}"
 
 
 def test_versions_advanced_and_weights_reached_the_generator(runs):
-    summary, steps, _ = runs[0]
+    summary, steps, _, _ = runs[0]
     assert summary["sync_bytes"] > 0
     assert steps[-1]["generator/version_loaded"] >= STEPS - 1
     # On-policy: the generator sampled with exactly the learner's weights, so its behaviour log-probs match the
@@ -68,14 +69,14 @@ def test_versions_advanced_and_weights_reached_the_generator(runs):
 
 
 def test_stale_samples_show_drift(runs):
-    _, steps, _ = runs[2]
+    _, steps, _, _ = runs[2]
     late = [m for m in steps[4:] if m["queue/staleness_of_batch"] >= 1]
     assert late and max(m["off_policy/chosen_log_ratio_abs_max"] for m in late) > 2e-2
 
 
 @pytest.mark.parametrize("staleness", [0, 2])
 def test_reward_goes_up_on_a_learnable_reward(runs, staleness):
-    _, steps, _ = runs[staleness]
+    _, steps, _, _ = runs[staleness]
     first = sum(m["objective/scores"] for m in steps[:3]) / 3
     last = sum(m["objective/scores"] for m in steps[-3:]) / 3
     assert last > first + 0.15, (first, last)

@@ -22,6 +22,7 @@ import time
 
 import pytest
 
+from run_records import check_staleness_records
 from session_run import run_in_own_session
 
 STEPS = 3
@@ -36,7 +37,7 @@ def _launch(accelerate_config: str, script_args: list[str], out) -> dict:
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     facts_file = out / "deepspeed_facts.json"
     print(f"{accelerate_config} {' '.join(script_args[:3])}: {wall:.0f} s wall")
-    return {"summary": json.loads((out / "run_summary.json").read_text()),
+    return {"out": out, "summary": json.loads((out / "run_summary.json").read_text()),
             "steps": [m for m in metrics if "loss" in m], "log": log, "wall": wall,
             "facts": json.loads(facts_file.read_text()) if facts_file.exists() else None}
 
@@ -53,9 +54,7 @@ def _check_run(run: dict, zero_stage: int) -> None:
     assert summary["steps"] == STEPS and len(steps) == STEPS
     assert summary["learners"] == {"processes": 2, "distributed_type": "DEEPSPEED", "zero_stage": zero_stage}
     assert all(math.isfinite(m["loss"]) for m in steps), [m["loss"] for m in steps]
-    hist = {int(k): v for k, v in summary["staleness_histogram"].items()}
-    assert sum(hist.values()) == STEPS and max(hist) <= summary["max_staleness"] == 1, hist
-    assert summary["dropped"] == 0
+    check_staleness_records(run["out"], STEPS, 1, summary, dropped=0)
     assert summary["sync_bytes"] > 0 and steps[-1]["sync/count"] >= STEPS - 1
     assert min(summary["generator_versions"].values()) >= STEPS - 1, summary["generator_versions"]
 

@@ -5,6 +5,7 @@ from. The faults are real (SIGKILL, a generator whose weights are gone, a save s
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -20,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import TrainerCallback
 
-from async_rlhf import AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer
+from async_rlhf import AsyncOnlineDPOTrainer
 from async_rlhf.checkpointing import COMPLETE_MARKER, CheckpointError, latest_complete_checkpoint, load_pipeline_state
 from async_rlhf.generation.pool_protocol import GeneratorFailed
 from async_rlhf.prompt_stream import PromptStream
@@ -127,19 +128,13 @@ class _BreakGenerator(TrainerCallback):
             self.t = time.monotonic()
 
 
-def _config(out, **kw):
-    base = dict(output_dir=str(out), max_steps=50, per_device_train_batch_size=2, num_generations=2,
-                max_new_tokens=6, max_length=48, learning_rate=5e-3, lr_scheduler_type="constant", max_staleness=1,
-                generator_backend="transformers", generator_max_restarts=1, disable_tqdm=True, seed=5,
-                generator_start_timeout=120, rollout_timeout=120)
-    return AsyncOnlineDPOConfig(**{**base, **kw})
-
-
-def test_exhausted_generator_restarts_save_a_checkpoint_and_name_the_generator(tmp_path, tiny_model_dir):
+def test_exhausted_generator_restarts_save_a_checkpoint_and_name_the_generator(tmp_path, tiny_model_dir,
+                                                                               tiny_run_config):
     model_dir = str(tmp_path / "model")
     shutil.copytree(tiny_model_dir, model_dir)  # generators start from here; the test breaks it
     out = tmp_path / "run"
-    trainer = AsyncOnlineDPOTrainer(model_dir, reward_funcs=lowercase_reward, args=_config(out),
+    config = functools.partial(tiny_run_config, out, max_steps=50, max_staleness=1, generator_max_restarts=1, seed=5)
+    trainer = AsyncOnlineDPOTrainer(model_dir, reward_funcs=lowercase_reward, args=config(),
                                     train_dataset=toy_prompts(64, seed=5))
     breaker = _BreakGenerator(trainer, model_dir, step=3)
     trainer.add_callback(breaker)
@@ -157,7 +152,7 @@ def test_exhausted_generator_restarts_save_a_checkpoint_and_name_the_generator(t
     # the checkpoint is complete and resumes once the cause is fixed
     assert step >= 3 and latest_complete_checkpoint(str(out)) == str(out / f"checkpoint-{step}")
     shutil.copy(os.path.join(tiny_model_dir, "model.safetensors"), model_dir)
-    resumed = AsyncOnlineDPOTrainer(model_dir, reward_funcs=lowercase_reward, args=_config(out, max_steps=step + 2),
+    resumed = AsyncOnlineDPOTrainer(model_dir, reward_funcs=lowercase_reward, args=config(max_steps=step + 2),
                                     train_dataset=toy_prompts(64, seed=5))
     resumed.train(resume_from_checkpoint=True)
     assert resumed.run_summary["steps"] == step + 2

@@ -3,6 +3,7 @@ kill -9 at a random point loses nothing, and an incomplete checkpoint is never t
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -14,7 +15,7 @@ import time
 import pytest
 from transformers import TrainerCallback
 
-from async_rlhf import AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer
+from async_rlhf import AsyncOnlineDPOTrainer
 from async_rlhf.checkpointing import COMPLETE_MARKER, CheckpointError, latest_complete_checkpoint
 from async_rlhf.prompt_stream import PromptStream
 from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
@@ -32,11 +33,11 @@ def losses(output_dir) -> dict[int, float]:
     return out
 
 
-def config(out, **kw):
-    base = dict(output_dir=str(out), max_steps=6, per_device_train_batch_size=4, num_generations=2,
-                max_new_tokens=8, max_length=48, learning_rate=5e-3, lr_scheduler_type="constant",
-                max_staleness=0, generator_backend="transformers", disable_tqdm=True, seed=7)
-    return AsyncOnlineDPOConfig(**{**base, **kw})
+@pytest.fixture
+def config(tiny_run_config):
+    """This file's runs: 6 steps of 4 prompts, on-policy (exact resume is checked loss by loss)."""
+    return functools.partial(tiny_run_config, max_steps=6, per_device_train_batch_size=4, max_new_tokens=8,
+                             max_staleness=0, seed=7)
 
 
 class StopAt(TrainerCallback):
@@ -48,7 +49,7 @@ class StopAt(TrainerCallback):
             control.should_training_stop = True
 
 
-def test_stopped_and_resumed_run_matches_an_uninterrupted_one(tmp_path, tiny_model_dir):
+def test_stopped_and_resumed_run_matches_an_uninterrupted_one(tmp_path, tiny_model_dir, config):
     data = toy_prompts(48)
     full = AsyncOnlineDPOTrainer(tiny_model_dir, reward_funcs=lowercase_reward, args=config(tmp_path / "full"),
                                  train_dataset=data)
@@ -70,7 +71,8 @@ def test_stopped_and_resumed_run_matches_an_uninterrupted_one(tmp_path, tiny_mod
         assert got[step] == pytest.approx(want[step], abs=1e-5), (step, want, got)
 
 
-def test_checkpoint_from_another_model_or_incomplete_is_refused_before_generators_start(tmp_path, tiny_model_dir):
+def test_checkpoint_from_another_model_or_incomplete_is_refused_before_generators_start(tmp_path, tiny_model_dir,
+                                                                                       config):
     from async_rlhf.data.tiny_model import save_tiny_model
 
     out = tmp_path / "run"

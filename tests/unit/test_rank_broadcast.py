@@ -1,19 +1,17 @@
-"""What rank 0 sends the other learner ranks each step, over a real 2-process gloo group: the step's rollouts as
-JSON (exactly, non-finite log-probs included; nothing unpickled), or the failure that ends the run, raised on every
-rank with the same type and message."""
+"""`broadcast_json`, what rank 0 sends the other learner ranks each step, over a real 2-process gloo group: every
+rank gets rank 0's message exactly (a step's rollouts with non-finite and tiny log-probs, a failure's multi-line,
+non-ASCII text, a message of megabytes), in order, as JSON (nothing is unpickled)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import multiprocessing as mp
 import traceback
-from types import SimpleNamespace
 
 import torch
 
-from async_rlhf.generation.pool_protocol import GeneratorFailed
-from async_rlhf.pipeline import RolloutPipeline
-from async_rlhf.staleness_queue import StalenessQueue
+from async_rlhf.pipeline import broadcast_json
 from async_rlhf.types import Completion, RolloutBatch
 
 BATCH = RolloutBatch(batch_id=3, generator_id=-1, policy_version=2, prompt_ids=[7, 1],
@@ -23,50 +21,27 @@ BATCH = RolloutBatch(batch_id=3, generator_id=-1, policy_version=2, prompt_ids=[
                                                                                       "stop")]],
                      seconds=0.125, chunk=0, num_chunks=1)
 
-
-class _HealthyPool:
-    def check(self):
-        pass
-
-
-class _FailingPool:
-    def check(self):
-        raise GeneratorFailed("generator 0 (cpu) exited with code 1; restarts exhausted (3). Last error:\nOSError: x")
-
-
-def _pipeline(rank: int, batch: RolloutBatch | None) -> RolloutPipeline:
-    """A pipeline with only what `batch_for_step` touches: no generators, no model."""
-    p = RolloutPipeline.__new__(RolloutPipeline)
-    p.is_main = rank == 0
-    p.accelerator = SimpleNamespace(num_processes=2, device=torch.device("cpu"))
-    p.args = SimpleNamespace(rollout_timeout=30.0)
-    p.queue = StalenessQueue(max_staleness=1)
-    p.total_steps = 0
-    p._dispatch = lambda: None  # no generators to send to
-    p.timers, p.gen_tokens, p.gen_seconds, p.regenerated = {"wait": 0.0}, 0, 0.0, 0
-    p.pool = _FailingPool() if batch is None else _HealthyPool()
-    if rank == 0 and batch is not None:
-        p.queue.put(batch)
-    return p
+# What the pipeline sends (a batch, or the failure that ends the run), then the edge cases of the encoding.
+MESSAGES = [
+    {"batch": dataclasses.asdict(BATCH)},
+    {"failure": "GeneratorFailed",
+     "message": "generator 0 (cpu) exited with code 1; restarts exhausted (3). Last error:\nOSError: é ✓ \x00"},
+    {},
+    {"big": list(range(300_000))},  # ~2 MB of JSON: the length is sent first and must not be truncated
+]
 
 
 def _rank(rank: int, init_file: str, results) -> None:
     try:
         torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-        got = _pipeline(rank, BATCH).batch_for_step(3)
-        outcome = {"batch": got}
-        try:
-            _pipeline(rank, None).batch_for_step(4)
-            outcome["failure"] = None
-        except GeneratorFailed as exc:
-            outcome["failure"] = str(exc)
-        results.put((rank, outcome))
+        got = [broadcast_json(m if rank == 0 else None, torch.device("cpu")) for m in MESSAGES]
+        results.put((rank, got))
         torch.distributed.destroy_process_group()
     except BaseException:
-        results.put((rank, {"error": traceback.format_exc()}))
+        results.put((rank, traceback.format_exc()))
 
 
-def test_rollouts_and_failures_reach_every_rank(tmp_path):
+def test_every_rank_gets_rank_0s_message_exactly(tmp_path):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, str(tmp_path / "init"), results)) for r in range(2)]
@@ -80,7 +55,7 @@ def test_rollouts_and_failures_reach_every_rank(tmp_path):
             if p.is_alive():
                 p.kill()
     for rank in (0, 1):
-        assert "error" not in out[rank], out[rank]["error"]
-        assert out[rank]["batch"] == BATCH  # dataclass equality: every field, every log-prob (-inf, 1e-300)
-        assert out[rank]["failure"].startswith("generator 0 (cpu) exited with code 1; restarts exhausted (3)")
-        assert out[rank]["failure"].endswith("OSError: x")
+        assert isinstance(out[rank], list), out[rank]  # else the rank's traceback
+        # dict equality, every value: -inf and 1e-300 survive, the batch's lists stay lists, the text is intact
+        for sent, got in zip(MESSAGES, out[rank], strict=True):
+            assert got == sent
