@@ -40,6 +40,7 @@ from async_rlhf.data.tiny_model import tiny_llama
 from async_rlhf.types import SamplingSettings
 
 logger = logging.getLogger(__name__)
+SFT_MAX_POSITIONS = 128  # the built-in policy's context (a post and its summary take well under 128 tokens)
 
 
 @dataclass
@@ -128,7 +129,7 @@ def train_sft(settings: SFTSettings, tokenizer: PreTrainedTokenizerFast, acceler
         examples.append((p + c, [-100] * len(p) + c))
 
     model = tiny_llama(tokenizer, settings.hidden_size, settings.num_layers, settings.num_heads,
-                       max_position_embeddings=128, seed=settings.seed)
+                       max_position_embeddings=SFT_MAX_POSITIONS, seed=settings.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.learning_rate, weight_decay=0.01,
                                   betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(settings.steps))
