@@ -1,7 +1,9 @@
 """Command-line and YAML configuration for the recipes: `--config file.yaml` plus `--field value` flags.
 
 YAML keys may name any field of the script's dataclasses; flags override the YAML. Unknown keys are an error
-that names the file and suggests the closest field, before anything expensive starts.
+that names the file and suggests the closest field, before anything expensive starts. A list field takes its
+values space-separated (`--generator_devices cuda:6 cuda:7`, HfArgumentParser's form), comma-separated
+(`--generator_devices cuda:6,cuda:7`) or both; in YAML, a list or one comma-separated string.
 """
 
 from __future__ import annotations
@@ -58,13 +60,49 @@ def _parse(dataclass_types: tuple, argv: list[str], defaults_path: str | None):
         config_path = argv[i + 1]
         argv = argv[:i] + argv[i + 2:]
     parser = HfArgumentParser(dataclass_types)
-    if defaults_path is not None:
-        parser.set_defaults(**_read_yaml(defaults_path, dataclass_types))
-    if config_path is not None:
-        parser.set_defaults(**_read_yaml(config_path, dataclass_types))
+    list_actions = {a.dest: a for a in parser._actions if a.nargs in ("+", "*")}
+    for path in (defaults_path, config_path):
+        if path is not None:
+            values = _read_yaml(path, dataclass_types)
+            for name, value in values.items():
+                if name in list_actions and isinstance(value, str):
+                    values[name] = [_convert(list_actions[name], v) for v in value.split(",") if v.strip()]
+            parser.set_defaults(**values)
+    argv = split_list_values(argv, {flag for a in list_actions.values() for flag in a.option_strings})
     try:
         return parser.parse_args_into_dataclasses(args=argv)
     except ConfigError:
         raise
     except ValueError as exc:  # __post_init__ validation errors come through here with the field named
         raise ConfigError(str(exc)) from exc
+
+
+def split_list_values(argv: list[str], list_flags: set[str]) -> list[str]:
+    """Split the comma-separated values of list flags into separate arguments: `--generator_devices cuda:6,cuda:7`
+    (or `=cuda:6,cuda:7`) becomes `--generator_devices cuda:6 cuda:7`, the form argparse's nargs="+" reads. Only
+    the values that follow a list flag (up to the next `--flag`) are split."""
+    out: list[str] = []
+    in_list = False
+    for token in argv:
+        if token.startswith("--"):
+            flag, eq, value = token.partition("=")
+            in_list = flag in list_flags
+            if in_list and eq:
+                out.append(flag)
+                out += [v for v in value.split(",") if v]
+            else:
+                out.append(token)
+        elif in_list and "," in token:
+            out += [v for v in token.split(",") if v]
+        else:
+            out.append(token)
+    return out
+
+
+def _convert(action, value: str):
+    value = value.strip()
+    try:
+        return action.type(value) if action.type is not None else value
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{action.dest}: {value!r} is not a valid {getattr(action.type, '__name__', 'value')}") \
+            from exc

@@ -34,6 +34,12 @@ def _require(condition: bool, field_name: str, message: str) -> None:
         raise ConfigError(f"{field_name}: {message}")
 
 
+def _comma_list(value: str | list[str]) -> list[str]:
+    """'a,b' or ['a,b'] or ['a', 'b'] -> ['a', 'b'] (list fields accept comma- and space-separated values alike)."""
+    entries = [value] if isinstance(value, str) else list(value)
+    return [part.strip() for entry in entries for part in str(entry).split(",") if part.strip()]
+
+
 @dataclass
 class AsyncRLConfig(TrainingArguments):
     # ---- staleness: how off-policy training may be ----------------------------------------------------------
@@ -176,8 +182,7 @@ class AsyncRLConfig(TrainingArguments):
         self._check_generator_servers()
         _require(self.reward_failure in REWARD_FAILURE_POLICIES, "reward_failure",
                  f"{self.reward_failure!r} is not one of {REWARD_FAILURE_POLICIES}")
-        if isinstance(self.generator_devices, str):
-            self.generator_devices = [d.strip() for d in self.generator_devices.split(",") if d.strip()]
+        self.generator_devices = _comma_list(self.generator_devices)
         _require(len(self.generator_devices) >= 1, "generator_devices", "needs at least one device")
         for dev in self.generator_devices:
             _require(dev == "cpu" or (dev.startswith("cuda:") and dev[5:].isdigit()), "generator_devices",
@@ -216,8 +221,8 @@ class AsyncRLConfig(TrainingArguments):
         return max(1, (cores - local_generators * self.generator_threads) // local_ranks)
 
     def _check_generator_servers(self) -> None:
-        if isinstance(self.generator_servers, str):
-            self.generator_servers = [a.strip() for a in self.generator_servers.split(",") if a.strip()]
+        if self.generator_servers is not None:
+            self.generator_servers = _comma_list(self.generator_servers)
         servers = self.generator_servers or []
         for address in servers:
             from async_rlhf.generation.wire import parse_address

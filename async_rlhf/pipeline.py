@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import os
 import time
 
 import torch
@@ -85,7 +86,6 @@ class RolloutPipeline:
                 self.queue.put(batch)
         a = self.args
         if a.generator_servers:  # started elsewhere (generation/server.py); same face as the pool, weights by broadcast
-            import os
 
             from async_rlhf.generation.remote import RemoteGeneratorPool
             from async_rlhf.generation.wire import TOKEN_ENV
@@ -102,7 +102,8 @@ class RolloutPipeline:
             specs = [
                 GeneratorSpec(generator_id=i, backend=a.generator_backend, model_path=self.generator_model_path,
                               device=dev, seed=a.seed + i, threads=a.generator_threads,
-                              engine_kwargs=self.engine_kwargs, initial_version=initial_version)
+                              engine_kwargs=self.engine_kwargs, initial_version=initial_version,
+                              log_path=os.path.join(a.output_dir, "logs", f"generator-{i}.log"))
                 for i, dev in enumerate(a.generator_devices)
             ]
             self.pool = GeneratorPool(specs, self._on_rollouts, a.generator_start_timeout, a.weight_sync_timeout,

@@ -43,13 +43,18 @@ class ScriptArguments:
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch", "configs")
 
 
-def task_defaults(recipe: str) -> dict[str, str]:
-    """The recipe's tuned defaults for the built-in task: `launch/configs/<recipe>_builtin.yaml`.
+TASKS = ("builtin", "toy", "smollm2", "hub")
 
-    Applied below `--config` and flags (see `cli.parse_args`), so `accelerate launch recipes/<recipe>.py` with no
-    arguments runs a tuned, minutes-long built-in task; other tasks start from the config classes' defaults."""
-    path = os.path.join(CONFIG_DIR, f"{recipe}_builtin.yaml")
-    return {"builtin": path} if os.path.isfile(path) else {}
+
+def task_defaults(recipe: str) -> dict[str, str]:
+    """Each task's defaults for `recipe`: task name -> `launch/configs/<recipe>_<task>.yaml`, where one exists.
+
+    Applied below `--config` and flags (see `cli.parse_args`), so `accelerate launch recipes/<recipe>.py --task T`
+    with no other flag runs settings that fit task T's model (the built-in task's tuned, minutes-long run; the toy
+    task's seconds-long one, whose model has 256 positions); a task without a file starts from the config classes'
+    defaults."""
+    paths = {task: os.path.join(CONFIG_DIR, f"{recipe}_{task}.yaml") for task in TASKS}
+    return {task: path for task, path in paths.items() if os.path.isfile(path)}
 
 
 @dataclass
@@ -95,7 +100,7 @@ def setup_task(script: ScriptArguments, config) -> Task:
         data = load_prompt_dataset(script.dataset_name, script.dataset_train_split,
                                    data_files=script.dataset_data_files, config=script.dataset_config)
         return Task(script.model_name_or_path, reward, data, None)
-    raise ConfigError(f"task: {script.task!r} is not one of 'builtin', 'toy', 'smollm2', 'hub'")
+    raise ConfigError(f"task: {script.task!r} is not one of {', '.join(repr(t) for t in TASKS)}")
 
 
 def _smollm2_task(script: ScriptArguments) -> Task:

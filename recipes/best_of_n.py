@@ -1,7 +1,7 @@
 """Asynchronous Best-of-N SFT (the paper's Best-of-2: N = num_generations = 2).
 
-    accelerate launch recipes/best_of_n.py                                  # built-in task (prepared on first use)
-    accelerate launch recipes/best_of_n.py --max_staleness 0 --output_dir outputs/best_of_n_sync
+    python recipes/best_of_n.py                                  # built-in task (prepared on first use)
+    python recipes/best_of_n.py --max_staleness 0 --output_dir outputs/best_of_n_sync
     python recipes/best_of_n.py --task toy --max_steps 8 --output_dir /tmp/best_of_n  # a seconds-scale smoke run
 
 Launched and configured exactly like recipes/online_dpo.py (same task flags, same asynchronous fields).

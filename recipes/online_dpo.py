@@ -1,9 +1,9 @@
 """Asynchronous online DPO.
 
-    accelerate launch recipes/online_dpo.py                                   # built-in task (prepared on first use)
-    accelerate launch recipes/online_dpo.py --config launch/configs/online_dpo_builtin.yaml --max_staleness 0
+    python recipes/online_dpo.py                                   # built-in task (prepared on first use)
+    python recipes/online_dpo.py --config launch/configs/online_dpo_builtin.yaml --max_staleness 0
     python recipes/online_dpo.py --task toy --max_steps 8 --output_dir /tmp/dpo  # a seconds-scale smoke run
-    accelerate launch recipes/online_dpo.py --task hub --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct \
+    python recipes/online_dpo.py --task hub --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct \
         --dataset_name trl-lib/tldr --reward_model_path <rm> --generator_devices cuda:1
 
 Parse flags (over the task's tuned defaults) -> set up the task (policy, reward, prompts, evaluation) -> build the

@@ -1,7 +1,7 @@
 """Asynchronous PPO with a learned critic and GAE (TRL's former PPOv2 defaults).
 
-    accelerate launch recipes/ppo.py                                  # built-in task (prepared on first use)
-    accelerate launch recipes/ppo.py --max_staleness 0 --output_dir outputs/ppo_sync
+    python recipes/ppo.py                                  # built-in task (prepared on first use)
+    python recipes/ppo.py --max_staleness 0 --output_dir outputs/ppo_sync
     python recipes/ppo.py --task toy --max_steps 8 --output_dir /tmp/ppo  # a seconds-scale smoke run
 
 Launched and configured exactly like recipes/online_dpo.py (same task flags, same asynchronous fields).

@@ -1,7 +1,7 @@
 """Asynchronous RLOO (k samples per prompt, leave-one-out baseline, KL in the reward).
 
-    accelerate launch recipes/rloo.py                                  # built-in task (prepared on first use)
-    accelerate launch recipes/rloo.py --max_staleness 0 --output_dir outputs/rloo_sync
+    python recipes/rloo.py                                  # built-in task (prepared on first use)
+    python recipes/rloo.py --max_staleness 0 --output_dir outputs/rloo_sync
     python recipes/rloo.py --task toy --max_steps 8 --output_dir /tmp/rloo  # a seconds-scale smoke run
 
 Launched and configured exactly like recipes/online_dpo.py (same task flags, same asynchronous fields).

@@ -1,7 +1,7 @@
 """Supervised fine-tuning of the built-in task's policy on its (noisy) demonstrations.
 
     python recipes/sft.py --output_dir outputs/sft                     # ~1-2 minutes on 2 CPU cores
-    accelerate launch recipes/sft.py --output_dir outputs/sft --num_layers 4
+    python recipes/sft.py --output_dir outputs/sft --num_layers 4
 
 Builds the task tokenizer and a tiny Llama in code, trains it on the train split's demonstrations (loss on the
 completion and EOS), saves model + tokenizer to `output_dir`, and prints its gold evaluation against the

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import AutoModelForCausalLM, LlamaForSequenceClassification, PreTrainedModel, PreTrainedTokenizerFast
 
-from async_rlhf.data import builtin_task
+from async_rlhf.data import build_progress, builtin_task
 from async_rlhf.data.tokenizer import build_tokenizer
 from async_rlhf.evaluation import evaluate_policy
 from async_rlhf.generation.hf_backend import TransformersSampler
@@ -40,6 +40,7 @@ from async_rlhf.data.tiny_model import tiny_llama
 from async_rlhf.types import SamplingSettings
 
 logger = logging.getLogger(__name__)
+SFT_MAX_POSITIONS = 128  # the built-in policy's context (a post and its summary take well under 128 tokens)
 
 
 @dataclass
@@ -112,7 +113,8 @@ def _right_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.
     return ids, mask
 
 
-def train_sft(settings: SFTSettings, tokenizer: PreTrainedTokenizerFast, accelerator=None) -> PreTrainedModel:
+def train_sft(settings: SFTSettings, tokenizer: PreTrainedTokenizerFast, accelerator=None,
+              stage: tuple[int, int] = (1, 1)) -> PreTrainedModel:
     """Train a tiny Llama from scratch on the train split's demonstrations (loss on completion tokens + EOS).
 
     Under `accelerate launch` each process takes its share of every batch; the returned model is unwrapped."""
@@ -128,7 +130,7 @@ def train_sft(settings: SFTSettings, tokenizer: PreTrainedTokenizerFast, acceler
         examples.append((p + c, [-100] * len(p) + c))
 
     model = tiny_llama(tokenizer, settings.hidden_size, settings.num_layers, settings.num_heads,
-                       max_position_embeddings=128, seed=settings.seed)
+                       max_position_embeddings=SFT_MAX_POSITIONS, seed=settings.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.learning_rate, weight_decay=0.01,
                                   betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(settings.steps))
@@ -136,6 +138,7 @@ def train_sft(settings: SFTSettings, tokenizer: PreTrainedTokenizerFast, acceler
     rng = random.Random(settings.seed)
     per_process = settings.batch_size // accelerator.num_processes
     model.train()
+    bar = build_progress.stage(*stage, "training the SFT policy", settings.steps)
     for step in range(settings.steps):
         batch = rng.sample(examples, settings.batch_size)  # same draw on every rank; each takes its slice
         batch = batch[accelerator.process_index * per_process:(accelerator.process_index + 1) * per_process]
@@ -148,20 +151,23 @@ def train_sft(settings: SFTSettings, tokenizer: PreTrainedTokenizerFast, acceler
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        bar.update(1)
         if step % 100 == 0 or step == settings.steps - 1:
+            bar.set_postfix(loss=f"{out.loss.item():.3f}", refresh=False)
             logger.info("sft step %d/%d loss %.4f", step, settings.steps, out.loss.item())
+    bar.close()
     return accelerator.unwrap_model(model)
 
 
 def sample_preference_pairs(policy: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, split: str, num_prompts: int,
-                            settings: RewardModelSettings) -> dict[str, list]:
+                            settings: RewardModelSettings, on_batch=None) -> dict[str, list]:
     """Two completions per prompt from `policy`, labelled by the gold reward; pairs the gold scores tie are dropped.
 
     Returns columns `prompt`, `chosen`, `rejected` (texts) and `margin` (gold chosen - gold rejected)."""
     rows = builtin_task.make_split(num_prompts, settings.seed, split)
     prompts = list(rows["prompt"])
     prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    sampler = TransformersSampler(policy, tokenizer.pad_token_id, tokenizer.eos_token_id)
+    sampler = TransformersSampler(policy, tokenizer.pad_token_id, tokenizer.eos_token_id, on_batch=on_batch)
     sampling = SamplingSettings(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature, n=2,
                                 seed=settings.seed)
     pairs: dict[str, list] = {"prompt": [], "chosen": [], "rejected": [], "margin": []}
@@ -198,7 +204,7 @@ def pairwise_accuracy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast
 
 
 def train_reward_model(settings: RewardModelSettings, sft_model_path: str, tokenizer: PreTrainedTokenizerFast,
-                       accelerator=None) -> tuple[PreTrainedModel, dict]:
+                       accelerator=None, stage: tuple[int, int, int] = (1, 2, 2)) -> tuple[PreTrainedModel, dict]:
     """The paper's proxy reward model: the SFT model with a scalar head, trained with the Bradley-Terry loss
     -log sigmoid(r(x, y_chosen) - r(x, y_rejected)) on SFT samples labelled by the gold reward.
 
@@ -207,8 +213,13 @@ def train_reward_model(settings: RewardModelSettings, sft_model_path: str, token
 
     accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
     policy = AutoModelForCausalLM.from_pretrained(sft_model_path, dtype=torch.float32)
-    train_pairs = sample_preference_pairs(policy, tokenizer, "preference", settings.num_pairs, settings)
-    eval_pairs = sample_preference_pairs(policy, tokenizer, "validation", settings.num_eval_pairs, settings)
+    first, second, count = stage  # stage numbers of the sampling and the training, of `count`
+    bar = build_progress.stage(first, count, "sampling preference pairs from the SFT policy",
+                               settings.num_pairs + settings.num_eval_pairs, unit="prompt")
+    train_pairs = sample_preference_pairs(policy, tokenizer, "preference", settings.num_pairs, settings, bar.update)
+    eval_pairs = sample_preference_pairs(policy, tokenizer, "validation", settings.num_eval_pairs, settings,
+                                         bar.update)
+    bar.close()
     del policy
     logger.info("reward model: %d train pairs, %d held-out pairs (gold ties dropped)",
                 len(train_pairs["prompt"]), len(eval_pairs["prompt"]))
@@ -227,6 +238,7 @@ def train_reward_model(settings: RewardModelSettings, sft_model_path: str, token
     rng = random.Random(settings.seed)
     model.train()
     step = 0
+    bar = build_progress.stage(second, count, "training the reward model", steps)
     for epoch in range(settings.epochs):
         order = list(range(num_pairs))
         rng.shuffle(order)
@@ -245,8 +257,11 @@ def train_reward_model(settings: RewardModelSettings, sft_model_path: str, token
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             if step % 50 == 0:
+                bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
                 logger.info("reward model epoch %d step %d/%d loss %.4f", epoch, step, steps, loss.item())
             step += 1
+            bar.update(1)
+    bar.close()
     model = accelerator.unwrap_model(model)
     metrics = {
         "train_pairs": num_pairs,
@@ -325,18 +340,20 @@ def build_into(directory: str, seed: int = 0, sft: SFTSettings | None = None,
     tokenizer.save_pretrained(paths["tokenizer"])
 
     t = time.perf_counter()
-    policy = train_sft(sft, tokenizer)
+    policy = train_sft(sft, tokenizer, stage=(1, 4))
     policy.save_pretrained(paths["sft_model"])
     tokenizer.save_pretrained(paths["sft_model"])
     timings["sft_seconds"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    sft_eval = evaluate_policy(policy, None, num_prompts=256, seed=seed, tokenizer=tokenizer)
+    with build_progress.stage(2, 4, "evaluating the SFT policy (gold reward)", 1, unit="pass") as bar:
+        sft_eval = evaluate_policy(policy, None, num_prompts=256, seed=seed, tokenizer=tokenizer)
+        bar.update(1)
     timings["sft_eval_seconds"] = time.perf_counter() - t
     del policy
 
     t = time.perf_counter()
-    reward_model, reward_metrics = train_reward_model(reward, paths["sft_model"], tokenizer)
+    reward_model, reward_metrics = train_reward_model(reward, paths["sft_model"], tokenizer, stage=(3, 4, 4))
     reward_model.save_pretrained(paths["reward_model"])
     tokenizer.save_pretrained(paths["reward_model"])
     timings["reward_model_seconds"] = time.perf_counter() - t
@@ -371,10 +388,11 @@ def prepare_builtin(cache_dir: str | None = None, seed: int = 0) -> dict:
     with _lock(cache_dir.rstrip("/") + ".lock"):
         if _is_complete(cache_dir):  # another process built it while we waited
             return paths
-        logger.info("preparing the built-in task into %s (a few minutes on CPU)", cache_dir)
-        with built_atomically(cache_dir) as tmp, _all_cores():
+        build_progress.announce(f"Building the built-in task once into {cache_dir}: tokenizer, SFT policy, proxy reward "
+                                "model (2-5 minutes on 2 CPU cores; later runs reuse it)")
+        with built_atomically(cache_dir) as tmp, _all_cores(), build_progress.without_library_bars():
             manifest = build_into(tmp, seed)
-        logger.info("built-in task ready in %.0f s: SFT gold win-rate %.3f, reward model held-out accuracy %.3f",
-                    manifest["timings"]["total_seconds"], manifest["sft_gold_win_rate"],
-                    manifest["reward_model"]["eval_accuracy"])
+        build_progress.announce(f"Built-in task ready in {manifest['timings']['total_seconds']:.0f} s: SFT gold "
+                                f"win-rate {manifest['sft_gold_win_rate']:.3f}, reward model held-out accuracy "
+                                f"{manifest['reward_model']['eval_accuracy']:.3f}")
     return paths

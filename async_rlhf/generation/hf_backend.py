@@ -127,11 +127,13 @@ class TransformersSampler:
 
     name = "transformers"
 
-    def __init__(self, model: PreTrainedModel, pad_token_id: int, eos_token_id: int, batch_size: int = 128):
+    def __init__(self, model: PreTrainedModel, pad_token_id: int, eos_token_id: int, batch_size: int = 128,
+                 on_batch=None):
         self.model = model
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
         self.batch_size = batch_size
+        self.on_batch = on_batch  # called with the number of prompts after each batch (progress bars)
 
     @torch.no_grad()
     def generate(self, prompt_token_ids: list[list[int]], settings: SamplingSettings) -> list[list[Completion]]:
@@ -168,6 +170,8 @@ class TransformersSampler:
             flat = [_cut_at_eos(t, lp, {self.eos_token_id})
                     for t, lp in zip(new_tokens.tolist(), logps.tolist())]
             out.extend(flat[i * settings.n:(i + 1) * settings.n] for i in range(len(batch)))
+            if self.on_batch is not None:
+                self.on_batch(len(batch))
         self.model.train(was_training)
         return out
 

@@ -2,6 +2,8 @@
 
 - `check_generator_devices`: the devices named in `generator_devices` exist and no learner rank uses them (checked
   before any model loads, so a typo costs seconds, not a model load).
+- `check_context_length`: `max_length` (and vLLM's `vllm_max_model_len`) fit the policy's positions (checked from its
+  config before any model loads: vLLM would otherwise refuse only once the generator's engine starts).
 - `engine_kwargs`: the engine settings a generator backend is built with (dtype of the learner's policy; vLLM's
   context length, memory share, eager mode and tensor-parallel size).
 - `initial_model_dir`: the directory every generator loads version 0 from: the policy's own directory when it has
@@ -37,6 +39,21 @@ def check_generator_devices(args: AsyncRLConfig) -> None:
     if clash:
         raise ConfigError(f"generator_devices: {clash} are also used by learner ranks ({sorted(learner)}); give the "
                           "generators their own GPUs (e.g. launch learners on cuda:0-5 and generators on cuda:6,7)")
+
+
+def check_context_length(args: AsyncRLConfig, model_config) -> None:
+    """Refuse a context the policy cannot hold: `max_length` is the learner's forward length (prompt + completion)
+    and, unless `vllm_max_model_len` is set, vLLM's `max_model_len`; neither may exceed `max_position_embeddings`."""
+    positions = getattr(model_config, "max_position_embeddings", None)
+    if not positions:  # no learned or rotary position table to overrun
+        return
+    name = getattr(model_config, "_name_or_path", "") or "the policy"
+    if args.max_length > positions:
+        raise ConfigError(f"max_length: {args.max_length} is more than {name}'s max_position_embeddings {positions}; "
+                          f"pass --max_length {positions} or less")
+    if args.generator_backend == "vllm" and (args.vllm_max_model_len or 0) > positions:
+        raise ConfigError(f"vllm_max_model_len: {args.vllm_max_model_len} is more than {name}'s "
+                          f"max_position_embeddings {positions}; pass --vllm_max_model_len {positions} or less")
 
 
 def engine_kwargs(args: AsyncRLConfig, policy: torch.nn.Module) -> dict:

@@ -81,12 +81,13 @@ class GeneratorPool:
                 for spec, p in zip(self.specs, self.processes):
                     if p.exitcode is not None:
                         raise GeneratorFailed(f"generator {spec.generator_id} ({spec.device}) exited with code "
-                                              f"{p.exitcode} during start-up")
+                                              f"{p.exitcode} during start-up{_see_log(spec)}")
                 continue
             if msg.kind == "ready":
                 ready.add(msg.generator_id)
             elif msg.kind == "error":
-                raise GeneratorFailed(f"generator {msg.generator_id} failed to start:\n{msg.message}")
+                raise GeneratorFailed(f"generator {msg.generator_id} failed to start:\n{msg.message}"
+                                      f"{_see_log({s.generator_id: s for s in self.specs}[msg.generator_id])}")
         self.start_seconds = time.monotonic() - t0
         self._reader = threading.Thread(target=self._read, name="async_rlhf-rollout-reader", daemon=True)
         self._reader.start()
@@ -144,7 +145,8 @@ class GeneratorPool:
             while gid not in self._errors and time.monotonic() < deadline:
                 time.sleep(0.05)
             raise GeneratorFailed(f"generator {gid} ({spec.device}) {reason}; restarts exhausted "
-                                  f"({self.max_restarts}). Last error:\n{self._errors.get(gid) or '(none reported)'}")
+                                  f"({self.max_restarts}). Last error:\n{self._errors.get(gid) or '(none reported)'}"
+                                  f"{_see_log(spec)}")
         self.restarts[gid] += 1
         logger.warning("generator %d (%s) %s; restarting (%d/%d) and re-issuing %d request(s)", gid, spec.device,
                        reason, self.restarts[gid], self.max_restarts, len(self._in_flight[gid]))
@@ -188,6 +190,10 @@ class GeneratorPool:
                     self._starting.pop(msg.generator_id, None)
                 elif msg.kind == "error":  # the process exits next; `check` restarts it
                     self._errors[msg.generator_id] = msg.message
+
+
+def _see_log(spec: GeneratorSpec) -> str:
+    return f"\n(the generator's full output: {spec.log_path})" if spec.log_path else ""
 
 
 def _stop_process(p, timeout: float) -> None:

@@ -5,6 +5,7 @@ Runs in its own OS process (spawned by `generation/pool.py`). It serves its inbo
 order is what lets the learner's admission control bound staleness without locks. Every rollout is tagged with
 the version of the weights loaded when it was sampled.
 
+Its output goes to `spec.log_path`, with only real problems on the console (`process_log.py`).
 The process exits on `Shutdown`, on any error (after reporting a `GeneratorError`), or when its parent dies
 (checked every second), so it can never be orphaned.
 """
@@ -30,6 +31,7 @@ class GeneratorSpec:
     threads: int
     engine_kwargs: dict = field(default_factory=dict)
     initial_version: int = 0
+    log_path: str | None = None  # the process's whole output (see `process_log.py`); None: console only
 
 
 def _restrict_device(device: str, threads: int) -> str:
@@ -45,6 +47,9 @@ def _restrict_device(device: str, threads: int) -> str:
 def generator_main(spec: GeneratorSpec, inbox, outbox) -> None:
     from multiprocessing import parent_process
 
+    from async_rlhf.generation.process_log import route_output
+
+    route_output(spec.log_path, f"generator-{spec.generator_id}")  # before torch and vLLM are imported
     from async_rlhf.types import GenerationRequest, GeneratorError, GeneratorReady, RolloutBatch, WeightAck
 
     device = _restrict_device(spec.device, spec.threads)
