@@ -102,7 +102,6 @@ class AsyncTrainerBase(Trainer):
             raise ConfigError("reward_funcs: pass a reward function, a reward model or a path "
                               "(or set reward_model_path)")
         check_generator_devices(args)
-        check_context_length(args, AutoConfig.from_pretrained(model) if isinstance(model, str) else model.config)
 
         # ---- tokenizer and prompts: cheap, so checked before any model loads -----------------------------------
         self._source_model_path = model if isinstance(model, str) else None
@@ -115,6 +114,7 @@ class AsyncTrainerBase(Trainer):
         self.prompt_token_ids, kept_rows = tokenize_prompts(
             train_dataset, processing_class, args.max_length - args.max_new_tokens)
         self.prompt_rows = kept_rows  # prompt id -> dataset row
+        check_context_length(args, AutoConfig.from_pretrained(model) if isinstance(model, str) else model.config)
 
         # ---- models ------------------------------------------------------------------------------------------
         init_kwargs = args.model_init_kwargs or {}
