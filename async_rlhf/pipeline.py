@@ -152,16 +152,7 @@ class RolloutPipeline:
                 self.gen_tokens += batch.num_tokens
                 self.gen_seconds += batch.seconds
         if self.accelerator.num_processes > 1:
-            message = None
-            if self.is_main:
-                message = ({"failure": type(failure).__name__, "message": str(failure)} if failure is not None
-                           else {"batch": batch.to_dict()})
-            message = broadcast_json(message, self.accelerator.device)
-            if "failure" in message:
-                if failure is not None:
-                    raise failure
-                raise {"GeneratorFailed": GeneratorFailed}.get(message["failure"], StageTimeout)(message["message"])
-            batch = RolloutBatch.from_dict(message["batch"])
+            batch = share_batch(batch, failure, self.accelerator.device)
         return batch
 
     def after_optimizer_step(self, model, version: int) -> None:
@@ -263,6 +254,21 @@ class RolloutPipeline:
             out.update(self.transport.stats())
         out["sync/load_seconds"] = self.load_seconds
         return out
+
+
+def share_batch(batch: RolloutBatch | None, failure: Exception | None, device) -> RolloutBatch:
+    """Rank 0's batch on every rank, or rank 0's failure (`GeneratorFailed` or `StageTimeout`, same message) raised on
+    every rank, so that all ranks leave the training loop at the same step. Other ranks pass (None, None)."""
+    message = None
+    if torch.distributed.get_rank() == 0:
+        message = ({"failure": type(failure).__name__, "message": str(failure)} if failure is not None
+                   else {"batch": batch.to_dict()})
+    message = broadcast_json(message, device)
+    if "failure" in message:
+        if failure is not None:
+            raise failure
+        raise {"GeneratorFailed": GeneratorFailed}.get(message["failure"], StageTimeout)(message["message"])
+    return RolloutBatch.from_dict(message["batch"])
 
 
 def broadcast_json(message: dict | None, device) -> dict:

@@ -11,7 +11,9 @@ import traceback
 
 import torch
 
-from async_rlhf.pipeline import broadcast_json
+from async_rlhf.generation.pool_protocol import GeneratorFailed
+from async_rlhf.pipeline import broadcast_json, share_batch
+from async_rlhf.staleness_queue import StageTimeout
 from async_rlhf.types import Completion, RolloutBatch
 
 BATCH = RolloutBatch(batch_id=3, generator_id=-1, policy_version=2, prompt_ids=[7, 1],
@@ -34,8 +36,17 @@ MESSAGES = [
 def _rank(rank: int, init_file: str, results) -> None:
     try:
         torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-        got = [broadcast_json(m if rank == 0 else None, torch.device("cpu")) for m in MESSAGES]
-        results.put((rank, got))
+        cpu = torch.device("cpu")
+        got = [broadcast_json(m if rank == 0 else None, cpu) for m in MESSAGES]
+        shared = share_batch(BATCH if rank == 0 else None, None, cpu)
+        raised = []
+        for failure in (GeneratorFailed("generator 0 (cpu) exited; restarts exhausted (3)"),
+                        StageTimeout("rollouts: batch 4 not ready within 1s")):
+            try:
+                share_batch(None, failure if rank == 0 else None, cpu)
+            except (GeneratorFailed, StageTimeout) as exc:
+                raised.append((type(exc).__name__, str(exc)))
+        results.put((rank, got + [shared, raised]))
         torch.distributed.destroy_process_group()
     except BaseException:
         results.put((rank, traceback.format_exc()))
@@ -57,5 +68,10 @@ def test_every_rank_gets_rank_0s_message_exactly(tmp_path):
     for rank in (0, 1):
         assert isinstance(out[rank], list), out[rank]  # else the rank's traceback
         # dict equality, every value: -inf and 1e-300 survive, the batch's lists stay lists, the text is intact
-        for sent, got in zip(MESSAGES, out[rank], strict=True):
+        for sent, got in zip(MESSAGES, out[rank][:len(MESSAGES)], strict=True):
             assert got == sent
+        shared, raised = out[rank][len(MESSAGES):]
+        assert shared == BATCH  # the step's batch, rebuilt from its own serialisation
+        # rank 0's failure leaves every rank's loop at the same step, with the same type and message
+        assert raised == [("GeneratorFailed", "generator 0 (cpu) exited; restarts exhausted (3)"),
+                          ("StageTimeout", "rollouts: batch 4 not ready within 1s")]
