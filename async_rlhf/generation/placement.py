@@ -4,6 +4,8 @@
   before any model loads, so a typo costs seconds, not a model load).
 - `engine_kwargs`: the engine settings a generator backend is built with (dtype of the learner's policy; vLLM's
   context length, memory share, eager mode and tensor-parallel size).
+- `check_shm_space`: the shm weight transport has room for two copies of the policy's weights (checked before the
+  policy loads, from the size of its files).
 - `initial_model_dir`: the directory every generator loads version 0 from: the policy's own directory when it has
   one, else a RAM copy written by rank 0 (a collective: every rank must call it under ZeRO-3).
 """
@@ -11,6 +13,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 
 import torch
@@ -37,6 +40,20 @@ def check_generator_devices(args: AsyncRLConfig) -> None:
     if clash:
         raise ConfigError(f"generator_devices: {clash} are also used by learner ranks ({sorted(learner)}); give the "
                           "generators their own GPUs (e.g. launch learners on cuda:0-5 and generators on cuda:6,7)")
+
+
+def check_shm_space(args: AsyncRLConfig, model_path: str | None) -> None:
+    """Two copies of the weights must fit in `shm_dir`: the version generators load and the next one (older versions
+    are deleted once every generator has moved on). Only known before loading when the policy is a local directory."""
+    if args.generator_servers or not model_path or not os.path.isdir(model_path):
+        return
+    weights = sum(os.path.getsize(os.path.join(model_path, n)) for n in os.listdir(model_path)
+                  if n.endswith((".safetensors", ".bin")))
+    free = shutil.disk_usage(args.shm_dir).free
+    if 2 * weights > free:
+        raise ConfigError(f"shm_dir: {args.shm_dir!r} has {free / 2**30:.2f} GiB free; the shm weight transport needs "
+                          f"about {2 * weights / 2**30:.2f} GiB (two copies of the {weights / 2**30:.2f} GiB of weights "
+                          f"in {model_path}). Free space there or point shm_dir at a larger RAM-backed directory.")
 
 
 def engine_kwargs(args: AsyncRLConfig, policy: torch.nn.Module) -> dict:

@@ -28,7 +28,8 @@ from async_rlhf import checkpointing
 from async_rlhf.config import AsyncRLConfig, ConfigError
 from async_rlhf.data.prompts import check_prompt_dataset, tokenize_prompts
 from async_rlhf.frozen_models import prepare_frozen, reference_model
-from async_rlhf.generation.placement import check_generator_devices, engine_kwargs, initial_model_dir
+from async_rlhf.generation.placement import (check_generator_devices, check_shm_space, engine_kwargs,
+                                             initial_model_dir)
 from async_rlhf.generation.pool_protocol import GeneratorFailed
 from async_rlhf.pipeline import RolloutPipeline
 from async_rlhf.run_summary import build_summary, format_summary
@@ -101,6 +102,7 @@ class AsyncTrainerBase(Trainer):
             raise ConfigError("reward_funcs: pass a reward function, a reward model or a path "
                               "(or set reward_model_path)")
         check_generator_devices(args)
+        check_shm_space(args, model if isinstance(model, str) else None)
 
         # ---- tokenizer and prompts: cheap, so checked before any model loads -----------------------------------
         self._source_model_path = model if isinstance(model, str) else None
