@@ -29,7 +29,7 @@ class CheckpointError(ValueError):
 def _write_json(path: str, payload: dict) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(payload, f)
+        json.dump(payload, f, allow_nan=False)  # strict JSON: `from_dict` refuses NaN/inf on resume
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
