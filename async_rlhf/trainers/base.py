@@ -35,6 +35,7 @@ from async_rlhf.pipeline import RolloutPipeline
 from async_rlhf.run_summary import build_summary, format_summary
 from async_rlhf.scoring import RewardScorer, score_rows
 from async_rlhf.staleness_queue import StageTimeout
+from async_rlhf.trainers.nonfinite import NonFiniteGuard, NonFiniteSteps
 from async_rlhf.types import RolloutBatch, SamplingSettings, ScoredGroup
 
 LOG_HISTORY_KEPT = 100  # entries of `state.log_history` kept in memory; metrics.jsonl holds them all
@@ -145,6 +146,7 @@ class AsyncTrainerBase(Trainer):
         self._loop_seconds = 0.0
         self._last_metrics: dict[str, float] = {}
         self.extra_logs: dict[str, float] = {}  # merged into the next log (e.g. periodic gold evaluation, rank 0)
+        self.nonfinite = NonFiniteGuard(args.max_nonfinite_steps, self.accelerator)  # see trainers/nonfinite.py
 
     # ---- data: tickets in, pipeline batches out ----------------------------------------------------------
     def get_train_dataloader(self) -> DataLoader:
@@ -211,12 +213,19 @@ class AsyncTrainerBase(Trainer):
         model.train()
         groups = self.micro_batch_groups()
         loss, metrics = self.compute_rollout_loss(model, groups)
+        self.nonfinite.note_loss(loss)
         for k, v in metrics.items():
             self._metrics[k].append(float(v))
         loss = loss / self.current_gradient_accumulation_steps
         kwargs = {"scale_wrt_gas": False} if self.accelerator.distributed_type == "DEEPSPEED" else {}
         self.accelerator.backward(loss, **kwargs)
         return loss.detach()
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        """The Trainer's last call before `optimizer.step()`: a step with a non-finite loss or norm is skipped."""
+        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        self.nonfinite.check_step(grad_norm, model, self.optimizer)
+        return grad_norm
 
     # ---- run: start generators, train, always shut down --------------------------------------------------
     def _identity(self) -> dict:
@@ -248,7 +257,7 @@ class AsyncTrainerBase(Trainer):
             output = super().train(resume_from_checkpoint=checkpoint, trial=trial,
                                    ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
             self._loop_seconds = time.perf_counter() - t_loop
-        except (GeneratorFailed, StageTimeout) as exc:  # raised on every rank, between two optimizer steps
+        except (GeneratorFailed, StageTimeout, NonFiniteSteps) as exc:  # raised on every rank, between two steps
             self.pipeline.close()  # the generators first: nothing more will come from them
             raise type(exc)(f"{exc}\n{self._checkpoint_after_failure()}") from exc
         finally:
@@ -284,8 +293,8 @@ class AsyncTrainerBase(Trainer):
         return bool(flag.item())
 
     def _checkpoint_after_failure(self) -> str:
-        """The pipeline failed for good between two optimizer steps (generator restarts exhausted, or a stage timed
-        out): save the learner as it stands, so the run resumes once the cause is fixed. Never overwrites a
+        """The run failed for good between two optimizer steps (generator restarts exhausted, a stage timed out, or
+        too many non-finite steps in a row, whose updates were skipped): save the learner as it stands, so the run resumes once the cause is fixed. Never overwrites a
         complete checkpoint. Returns the line that ends the error message."""
         step = self.state.global_step
         directory = os.path.join(self._get_output_dir(trial=None), f"checkpoint-{step}")
@@ -321,7 +330,7 @@ class AsyncTrainerBase(Trainer):
             self._last_metrics = means
             self._metrics.clear()
         if self.pipeline is not None and "train_loss" not in logs:
-            logs = {**logs, **self.pipeline.stats()}
+            logs = {**logs, **self.pipeline.stats(), "learner/nonfinite_steps": float(self.nonfinite.total)}
         if self.extra_logs:
             logs, self.extra_logs = {**logs, **self.extra_logs}, {}
         super().log(logs, start_time)
