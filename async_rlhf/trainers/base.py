@@ -238,6 +238,7 @@ class AsyncTrainerBase(Trainer):
         checkpoint = checkpointing.resolve(resume_from_checkpoint, self.args.output_dir)
         restored = {"version": 0, "pending": [], "counters": {}}
         if checkpoint is not None:  # validated before any generator starts
+            checkpointing.check_resume_is_safe(checkpoint, unpickles=self.is_deepspeed_enabled)
             restored = checkpointing.load_pipeline_state(checkpoint, self._identity())
             model_dir, is_temp = checkpoint, False  # generators start from the checkpoint's weights
         else:
@@ -309,9 +310,11 @@ class AsyncTrainerBase(Trainer):
         return f"Saved {directory} at step {step}; resume with resume_from_checkpoint once the cause is fixed."
 
     def _save_checkpoint(self, model, trial):
+        directory = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+        if self.args.should_save:
+            checkpointing.begin_save(directory)  # rewriting a complete checkpoint: it is incomplete until the end
         super()._save_checkpoint(model, trial)
         if self.args.should_save:
-            directory = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
             pending = [b for b in self.pipeline.queue.pending() if b.batch_id >= self.state.global_step]
             checkpointing.save_pipeline_state(directory, self.state.global_step, pending,
                                               self.pipeline.counters(), self._identity())
