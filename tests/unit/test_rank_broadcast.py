@@ -1,9 +1,11 @@
 """What rank 0 sends the other learner ranks each step, over a real 2-process gloo group: the step's rollouts as
-JSON (exactly, non-finite log-probs included; nothing unpickled), or the failure that ends the run, raised on every
-rank with the same type and message."""
+JSON (exactly, extreme log-probs included; nothing unpickled), or the failure that ends the run, raised on every
+rank with the same type and message. A batch with a non-finite log-prob is such a failure: rank 0 refuses it, and
+every rank raises the same error (rank 1 never gets to refuse it in `from_dict` on its own)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import multiprocessing as mp
 import traceback
@@ -19,9 +21,10 @@ from async_rlhf.types import Completion, RolloutBatch
 BATCH = RolloutBatch(batch_id=3, generator_id=-1, policy_version=2, prompt_ids=[7, 1],
                      prompt_token_ids=[[5, 6], [9]],
                      completions=[[Completion([1, 2], [-0.5, -1e-300], "stop"), Completion([], [], "length")],
-                                  [Completion([4], [-math.inf], "length"), Completion([8, 8, 2], [-0.25, 0.0, -3.0],
+                                  [Completion([4], [-1e300], "length"), Completion([8, 8, 2], [-0.25, 0.0, -3.0],
                                                                                       "stop")]],
                      seconds=0.125, chunk=0, num_chunks=1)
+NONFINITE = dataclasses.replace(BATCH, batch_id=5, policy_version=4, completions=[[Completion([4], [-math.inf], "length")] * 2] * 2)
 
 
 class _HealthyPool:
@@ -60,6 +63,11 @@ def _rank(rank: int, init_file: str, results) -> None:
             outcome["failure"] = None
         except GeneratorFailed as exc:
             outcome["failure"] = str(exc)
+        try:
+            _pipeline(rank, NONFINITE).batch_for_step(5)
+            outcome["nonfinite"] = None
+        except GeneratorFailed as exc:
+            outcome["nonfinite"] = str(exc)
         results.put((rank, outcome))
         torch.distributed.destroy_process_group()
     except BaseException:
@@ -84,3 +92,5 @@ def test_rollouts_and_failures_reach_every_rank(tmp_path):
         assert out[rank]["batch"] == BATCH  # dataclass equality: every field, every log-prob (-inf, 1e-300)
         assert out[rank]["failure"].startswith("generator 0 (cpu) exited with code 1; restarts exhausted (3)")
         assert out[rank]["failure"].endswith("OSError: x")
+        assert out[rank]["nonfinite"].startswith("a generator: batch 5 (policy version 4) has a non-finite behaviour "
+                                                 "log-prob -inf at prompt 7, completion 0, token 0")
