@@ -5,21 +5,30 @@ version). We add `async_rlhf_pipeline.json`: the rollouts already generated but 
 versions), the counters, and the fields that must match on resume. Prompts need no state: the prompt of every
 step is a pure function of (seed, step) (`PromptStream`), so batches that were in flight are regenerated
 identically. Everything is JSON (nothing is unpickled); each file is written then renamed, and the completion
-marker is written last, so a checkpoint killed half-way is never taken for a valid one.
+marker is written last, so a checkpoint killed half-way is never taken for a valid one. Saving into a directory
+that already holds a complete checkpoint (a run resumed from an older one reaches the same step again) first removes
+its marker (`begin_save`), and the new marker is made durable by an fsync of the directory.
+
+Security: our files are JSON, but the Trainer's own loaders run on resume, and under DeepSpeed its checkpoint loader
+unpickles (`torch.load` with full unpickling of the optimizer states). `check_resume_is_safe` warns about that and
+refuses a checkpoint that another user could have written into (a group- or other-writable file or directory).
 """
 
 from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import re
+import stat
 
 from async_rlhf.types import RolloutBatch
 
 PIPELINE_FILE = "async_rlhf_pipeline.json"
 COMPLETE_MARKER = "async_rlhf_complete.json"
 FORMAT = 1
+logger = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -29,7 +38,7 @@ class CheckpointError(ValueError):
 def _write_json(path: str, payload: dict) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(payload, f)
+        json.dump(payload, f, allow_nan=False)  # strict JSON: `from_dict` refuses NaN/inf on resume
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -43,8 +52,42 @@ def save_pipeline_state(directory: str, version: int, pending: list[RolloutBatch
     })
 
 
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def begin_save(directory: str) -> None:
+    """Before any file of a checkpoint is (re)written: a complete checkpoint being overwritten stops being complete."""
+    marker = os.path.join(directory, COMPLETE_MARKER)
+    if os.path.exists(marker):
+        os.unlink(marker)
+        _fsync_dir(directory)  # the removal reaches the disk before the first rewritten file does
+
+
 def mark_complete(directory: str, version: int) -> None:
     _write_json(os.path.join(directory, COMPLETE_MARKER), {"format": FORMAT, "version": version})
+    _fsync_dir(directory)  # the rename of the marker is durable: a crash now cannot lose it
+
+
+def check_resume_is_safe(directory: str, unpickles: bool) -> None:
+    """Refuse to resume from a checkpoint that users other than its owner could have modified, when resuming will
+    unpickle (DeepSpeed's loader): unpickling runs whatever code such a user put there."""
+    if not unpickles:
+        return
+    logger.warning("resuming from %s under DeepSpeed: DeepSpeed's checkpoint loader unpickles its files; resume only "
+                   "from checkpoints you wrote", directory)
+    for root, dirs, files in os.walk(directory):
+        for path in [root] + [os.path.join(root, n) for n in files]:
+            mode = os.lstat(path).st_mode
+            if mode & (stat.S_IWGRP | stat.S_IWOTH):
+                raise CheckpointError(
+                    f"resume_from_checkpoint: {path} is writable by {'others' if mode & stat.S_IWOTH else 'its group'} "
+                    f"(mode {stat.filemode(mode)}), and DeepSpeed's loader unpickles this checkpoint; remove the "
+                    f"write bit (chmod -R go-w {directory}) if you trust its contents")
 
 
 def is_complete(directory: str) -> bool:

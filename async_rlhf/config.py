@@ -3,7 +3,8 @@
 `AsyncRLConfig` holds what every asynchronous learner shares (staleness, generators, weight sync, sampling,
 rewards). `AsyncOnlineDPOConfig` adds online DPO's fields with TRL 1.16 `OnlineDPOConfig` names and defaults
 (where a CPU-sized default makes more sense, the docstring says so). Every field is validated in
-`__post_init__`, before any model loads, with a message naming the field.
+`__post_init__`, before any model loads, with a message naming the field: first the type (and finiteness) of
+every field we declare (`config_checks.py`), then ranges and relations.
 """
 
 from __future__ import annotations
@@ -13,14 +14,13 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from async_rlhf.config_checks import ConfigError, check_dir, check_types  # noqa: F401 (ConfigError: re-exported)
+
 GENERATOR_BACKENDS = ("vllm", "transformers")
 WEIGHT_TRANSPORTS = ("auto", "shm", "broadcast")
 BROADCAST_BACKENDS = ("auto", "gloo", "nccl")
 REWARD_FAILURE_POLICIES = ("raise", "skip")
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field."""
+ROLLOUT_TIMEOUT_MARGIN = 60  # seconds: rank 0 publishes weights and dispatches before it starts waiting for rollouts
 
 
 def _cuda_available() -> bool:
@@ -34,10 +34,17 @@ def _require(condition: bool, field_name: str, message: str) -> None:
         raise ConfigError(f"{field_name}: {message}")
 
 
-def _comma_list(value: str | list[str]) -> list[str]:
-    """'a,b' or ['a,b'] or ['a', 'b'] -> ['a', 'b'] (list fields accept comma- and space-separated values alike)."""
-    entries = [value] if isinstance(value, str) else list(value)
-    return [part.strip() for entry in entries for part in str(entry).split(",") if part.strip()]
+def _comma_list(value):
+    """'a,b' or ['a,b'] or ['a', 'b'] -> ['a', 'b'] (list fields accept comma- and space-separated values alike).
+    Anything that is not text is left as it is, for the type check to name."""
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        return value
+    out = []
+    for entry in value:
+        out.extend(p.strip() for p in entry.split(",") if p.strip()) if isinstance(entry, str) else out.append(entry)
+    return out
 
 
 @dataclass
@@ -88,7 +95,10 @@ class AsyncRLConfig(TrainingArguments):
         default=3, metadata={"help": "Restarts allowed per generator that dies; then the run fails naming it."}
     )
     rollout_timeout: float = field(
-        default=600.0, metadata={"help": "Seconds a learner waits for the rollouts of one step before failing."}
+        default=600.0,
+        metadata={"help": "Seconds a learner waits for the rollouts of one step before failing. With several learner "
+                  "ranks, the other ranks wait that long inside a collective, so it must stay at least 60 s "
+                  "(ROLLOUT_TIMEOUT_MARGIN) below ddp_timeout, the process group's timeout: checked at start."},
     )
     weight_sync_timeout: float = field(
         default=300.0, metadata={"help": "Seconds a generator may take to acknowledge a weight update."}
@@ -145,6 +155,14 @@ class AsyncRLConfig(TrainingArguments):
         metadata={"help": "A reward that raises or is None/NaN/inf: 'raise' (fail naming prompt and function) or "
                   "'skip' (drop the sample and count it)."},
     )
+    max_nonfinite_steps: int = field(
+        default=3,
+        metadata={"help": "Optimizer steps in a row whose loss or gradient norm is NaN/inf that are skipped (the "
+                  "weights are left as they were; counted in learner/nonfinite_steps) before the run fails and "
+                  "saves a checkpoint; 0 fails on the first. Under DeepSpeed the engine steps inside backward, "
+                  "before the gradient norm is known: such steps are counted and stop the run, but only fp16's "
+                  "loss scaler skips their update."},
+    )
     disable_dropout: bool = field(default=True, metadata={"help": "Disable dropout in the policy and reference."})
     model_init_kwargs: dict | None = field(default=None, metadata={"help": "kwargs for from_pretrained."})
     min_generations = 2  # class constant (not a field): pairs / leave-one-out need two samples per prompt
@@ -154,6 +172,10 @@ class AsyncRLConfig(TrainingArguments):
     save_strategy: str = "no"
 
     def __post_init__(self):
+        self.generator_devices = _comma_list(self.generator_devices)
+        if self.generator_servers is not None:
+            self.generator_servers = _comma_list(self.generator_servers)
+        check_types(self)
         if self.num_mini_batches is not None:
             n = self.num_mini_batches
             _require(n >= 1, "num_mini_batches", f"must be >= 1, got {n}")
@@ -180,9 +202,9 @@ class AsyncRLConfig(TrainingArguments):
         _require(self.weight_transport in WEIGHT_TRANSPORTS, "weight_transport",
                  f"{self.weight_transport!r} is not one of {WEIGHT_TRANSPORTS}")
         self._check_generator_servers()
+        check_dir("shm_dir", self.shm_dir)
         _require(self.reward_failure in REWARD_FAILURE_POLICIES, "reward_failure",
                  f"{self.reward_failure!r} is not one of {REWARD_FAILURE_POLICIES}")
-        self.generator_devices = _comma_list(self.generator_devices)
         _require(len(self.generator_devices) >= 1, "generator_devices", "needs at least one device")
         for dev in self.generator_devices:
             _require(dev == "cpu" or (dev.startswith("cuda:") and dev[5:].isdigit()), "generator_devices",
@@ -195,8 +217,12 @@ class AsyncRLConfig(TrainingArguments):
         _require(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
         _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         _require(self.top_k >= 0, "top_k", f"must be >= 0, got {self.top_k}")
-        for name in ("generator_start_timeout", "rollout_timeout", "weight_sync_timeout"):
-            _require(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # other ranks wait for rank 0's rollouts in a collective
+            _require(self.rollout_timeout + ROLLOUT_TIMEOUT_MARGIN <= self.ddp_timeout, "rollout_timeout",
+                     f"rollout_timeout={self.rollout_timeout:g} s with ddp_timeout={self.ddp_timeout} s: learner ranks "
+                     f"other than 0 wait for the rollouts inside a collective that fails after ddp_timeout, so "
+                     f"rollout_timeout must be at most ddp_timeout - {ROLLOUT_TIMEOUT_MARGIN} s. Raise ddp_timeout "
+                     "or lower rollout_timeout.")
         if not _cuda_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1 and self.ddp_backend is None:
             # several CPU learner ranks: accelerate's multi-GPU launcher on a CPU-only machine needs gloo
             self.ddp_backend, self.use_cpu = "gloo", True
@@ -221,8 +247,6 @@ class AsyncRLConfig(TrainingArguments):
         return max(1, (cores - local_generators * self.generator_threads) // local_ranks)
 
     def _check_generator_servers(self) -> None:
-        if self.generator_servers is not None:
-            self.generator_servers = _comma_list(self.generator_servers)
         servers = self.generator_servers or []
         for address in servers:
             from async_rlhf.generation.wire import parse_address
@@ -260,6 +284,7 @@ class AsyncOnlineDPOConfig(AsyncRLConfig):
     loss_type: str = field(default="sigmoid", metadata={"help": "'sigmoid' (DPO) or 'ipo'."})
 
     def __post_init__(self):
+        check_types(self)
         betas = self.beta if isinstance(self.beta, list) else [self.beta]
         _require(len(betas) >= 1 and all(b > 0 for b in betas), "beta", f"must be > 0, got {self.beta}")
         self.beta = betas[0] if len(betas) == 1 else betas
@@ -296,6 +321,7 @@ class AsyncPolicyGradientConfig(AsyncRLConfig):
     is_cap: float = field(default=2.0, metadata={"help": "Cap of the importance weights ('tis', 'decoupled')."})
 
     def __post_init__(self):
+        check_types(self)
         if self.max_completion_length is not None:
             self.max_new_tokens = self.max_completion_length
         _require(self.beta >= 0, "beta", f"must be >= 0, got {self.beta}")

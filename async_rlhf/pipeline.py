@@ -143,6 +143,7 @@ class RolloutPipeline:
                     if batch is None:  # arrived too stale: regenerate with the current weights
                         self.regenerated += 1
                         self._send(step)
+                check_logprobs_finite(batch)
             except (GeneratorFailed, StageTimeout) as exc:
                 if self.accelerator.num_processes == 1:
                     raise
@@ -271,12 +272,25 @@ def share_batch(batch: RolloutBatch | None, failure: Exception | None, device) -
     return RolloutBatch.from_dict(message["batch"])
 
 
+def check_logprobs_finite(batch: RolloutBatch) -> None:
+    """A sampled token has a finite behaviour log-prob; a NaN/inf one means the generator's numerics are broken. The
+    batch is refused on rank 0 as a generator failure (raised on every rank, checkpoint saved) instead of reaching the
+    loss, the other ranks (whose `from_dict` would refuse it) or a checkpoint."""
+    bad = batch.first_nonfinite_logprob()
+    if bad is not None:
+        p, i, t, value = bad
+        who = f"generator {batch.generator_id}" if batch.generator_id >= 0 else "a generator"  # -1: merged chunks
+        raise GeneratorFailed(f"{who}: batch {batch.batch_id} (policy version "
+                              f"{batch.policy_version}) has a non-finite behaviour log-prob {value} at prompt "
+                              f"{batch.prompt_ids[p]}, completion {i}, token {t}; check the generator's dtype/backend")
+
+
 def broadcast_json(message: dict | None, device) -> dict:
     """Rank 0's `message` on every rank, sent as JSON bytes over the default group: learner ranks may sit on other
     machines, and nothing received from the network is unpickled (`broadcast_object_list` would unpickle)."""
     is_src = torch.distributed.get_rank() == 0
     if is_src:
-        data = torch.frombuffer(bytearray(json.dumps(message).encode()), dtype=torch.uint8).to(device)
+        data = torch.frombuffer(bytearray(json.dumps(message, allow_nan=False).encode()), dtype=torch.uint8).to(device)
         size = torch.tensor([data.numel()], dtype=torch.long, device=device)
     else:
         size = torch.zeros(1, dtype=torch.long, device=device)

@@ -6,11 +6,15 @@ A reward function is either a callable `f(prompts, completions, completion_ids, 
 prompt + completion text), or a path to such a model. Several are combined with `reward_weights`.
 
 Bad rewards (an exception, None, NaN or inf) follow `reward_failure`: "raise" fails naming the function and
-the prompt id; "skip" marks the sample invalid (its score becomes NaN) and counts it.
+the prompt id; "skip" marks the sample invalid (its score becomes NaN) and counts it. A function that raises under
+"skip" is logged (a warning with its exception and traceback) the first time, and every call it raises on is counted
+in `raised[name]` (metric `rewards/<name>/raised`), so a reward that always fails cannot silently train on nothing.
 """
 
 from __future__ import annotations
 
+import collections
+import logging
 import math
 from typing import Any, Callable
 
@@ -19,6 +23,9 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreT
 
 from async_rlhf.data.prompts import prompt_text
 from async_rlhf.types import RolloutBatch, ScoredGroup
+
+
+logger = logging.getLogger(__name__)
 
 
 class RewardError(RuntimeError):
@@ -67,6 +74,7 @@ class RewardScorer:
         self.failure = failure
         self.device = device
         self.skipped = 0
+        self.raised: collections.Counter[str] = collections.Counter()  # reward name -> calls that raised ("skip")
 
     @torch.no_grad()
     def _model_scores(self, model, tokenizer, prompts: list[str], completions: list[str]) -> list[float]:
@@ -90,6 +98,11 @@ class RewardScorer:
                 if self.failure == "raise":
                     raise RewardError(f"reward function {name!r} raised on prompt ids {sorted(set(prompt_ids))}: "
                                       f"{type(exc).__name__}: {exc}") from exc
+                if not self.raised[name]:
+                    logger.warning("reward function %r raised (reward_failure='skip': its samples are dropped; "
+                                   "further failures are counted in rewards/%s/raised, not logged): %s: %s",
+                                   name, name, type(exc).__name__, exc, exc_info=exc)
+                self.raised[name] += 1
                 values = [None] * len(completions)
             if len(values) != len(completions):
                 raise RewardError(f"reward function {name!r} returned {len(values)} scores for "
@@ -139,6 +152,8 @@ def score_rows(batch: RolloutBatch, rows: range, scorer: RewardScorer, tokenizer
     for name, values in per_func.items():
         finite = [v for v in values if math.isfinite(v)]
         metrics[f"rewards/{name}/mean"] = sum(finite) / len(finite) if finite else 0.0
+    for name, count in scorer.raised.items():
+        metrics[f"rewards/{name}/raised"] = float(count)  # cumulative, on this rank
     metrics["val/contain_eos_token"] = sum(finished) / len(finished)
     metrics["generator/completion_length"] = sum(len(c) for c in comp_ids) / len(comp_ids)
     n = len(batch.completions[rows[0]]) if len(rows) else 0

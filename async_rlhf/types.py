@@ -9,12 +9,16 @@ sampled. Version 0 is the initial policy.
 
 Serialisation: a message that leaves a process as JSON (a checkpoint, a broadcast to other learner ranks, a
 network frame) is written with `to_dict()` and read back with `from_dict()`, which checks every field's type and
-refuses unknown or missing keys, so bad input fails at the edge with a message naming the field.
+refuses unknown or missing keys, so bad input fails at the edge with a message naming the field. Numbers must be
+finite: NaN and +-inf are refused wherever they are read (network frames, other ranks, checkpoints). We never write
+them either: a behaviour log-prob of -inf cannot belong to a sampled token, so the pipeline fails a batch that holds
+one on rank 0, naming its generator, before it is trained, broadcast or checkpointed (`pipeline.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -35,8 +39,11 @@ class SamplingSettings:
 
     @classmethod
     def from_dict(cls, d) -> SamplingSettings:
-        return cls(**check_fields(d, "settings", {"max_new_tokens": nonneg, "temperature": number, "top_p": number,
-                                                  "top_k": integer, "n": nonneg, "seed": optional(integer)}))
+        f = check_fields(d, "settings", {"max_new_tokens": nonneg, "temperature": number, "top_p": number,
+                                         "top_k": integer, "n": nonneg, "seed": optional(integer)})
+        if f["temperature"] < 0 or not 0 < f["top_p"] <= 1:
+            raise FieldError(f"settings: temperature {f['temperature']} must be >= 0 and top_p {f['top_p']} in (0, 1]")
+        return cls(**f)
 
 
 @dataclass(frozen=True)
@@ -127,6 +134,15 @@ class RolloutBatch:
     @property
     def num_tokens(self) -> int:
         return sum(len(c.token_ids) for group in self.completions for c in group)
+
+    def first_nonfinite_logprob(self) -> tuple[int, int, int, float] | None:
+        """(prompt index, completion index, token index, value) of the first NaN/inf behaviour log-prob, or None."""
+        for p, group in enumerate(self.completions):
+            for i, c in enumerate(group):
+                for t, lp in enumerate(c.logprobs):
+                    if not math.isfinite(lp):
+                        return p, i, t, lp
+        return None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -221,8 +237,11 @@ def nonneg(x) -> int:
 
 
 def number(x) -> float:
+    """A finite number (NaN and +-inf are refused: they only come from broken numerics or a hostile peer)."""
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         raise TypeError(f"expected a number, got {type(x).__name__}")
+    if not math.isfinite(x):
+        raise ValueError(f"expected a finite number, got {x}")
     return float(x)
 
 

@@ -12,13 +12,13 @@ Cache guarantees:
 - a cache directory either holds everything (`manifest.json` is written last) or does not exist: preparation
   writes into a temporary sibling directory and renames it into place, so an interrupted run leaves no half cache;
 - concurrent callers (several ranks of `accelerate launch`, two terminals) serialise on a lock file: one builds,
-  the others wait and then read the finished cache.
+  the others wait (logging every 30 s, at most `BUILD_LOCK_TIMEOUT`, then a TimeoutError naming the lock file)
+  and then read the finished cache.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import math
@@ -33,6 +33,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaForSequenceClassification, PreTrainedModel, PreTrainedTokenizerFast
 
 from async_rlhf.data import build_progress, builtin_task
+from async_rlhf.data.build_lock import build_lock
 from async_rlhf.data.tokenizer import build_tokenizer
 from async_rlhf.evaluation import evaluate_policy
 from async_rlhf.generation.hf_backend import TransformersSampler
@@ -315,17 +316,6 @@ def built_atomically(directory: str):
         raise
 
 
-@contextlib.contextmanager
-def _lock(path: str):
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def build_into(directory: str, seed: int = 0, sft: SFTSettings | None = None,
                reward: RewardModelSettings | None = None) -> dict:
     """Build tokenizer, SFT policy and proxy reward model into `directory` (no locking, no atomic rename).
@@ -385,7 +375,7 @@ def prepare_builtin(cache_dir: str | None = None, seed: int = 0) -> dict:
     paths = _paths(cache_dir)
     if _is_complete(cache_dir):
         return paths
-    with _lock(cache_dir.rstrip("/") + ".lock"):
+    with build_lock(cache_dir.rstrip("/") + ".lock"):
         if _is_complete(cache_dir):  # another process built it while we waited
             return paths
         build_progress.announce(f"Building the built-in task once into {cache_dir}: tokenizer, SFT policy, proxy reward "

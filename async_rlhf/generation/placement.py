@@ -6,6 +6,8 @@
   config before any model loads: vLLM would otherwise refuse only once the generator's engine starts).
 - `engine_kwargs`: the engine settings a generator backend is built with (dtype of the learner's policy; vLLM's
   context length, memory share, eager mode and tensor-parallel size).
+- `check_shm_space`: the shm weight transport has room for two copies of the policy's weights (checked before the
+  policy loads, from the size of its files).
 - `initial_model_dir`: the directory every generator loads version 0 from: the policy's own directory when it has
   one, else a RAM copy written by rank 0 (a collective: every rank must call it under ZeRO-3).
 """
@@ -13,6 +15,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 
 import torch
@@ -54,6 +57,20 @@ def check_context_length(args: AsyncRLConfig, model_config) -> None:
     if args.generator_backend == "vllm" and (args.vllm_max_model_len or 0) > positions:
         raise ConfigError(f"vllm_max_model_len: {args.vllm_max_model_len} is more than {name}'s "
                           f"max_position_embeddings {positions}; pass --vllm_max_model_len {positions} or less")
+
+
+def check_shm_space(args: AsyncRLConfig, model_path: str | None) -> None:
+    """Two copies of the weights must fit in `shm_dir`: the version generators load and the next one (older versions
+    are deleted once every generator has moved on). Only known before loading when the policy is a local directory."""
+    if args.generator_servers or not model_path or not os.path.isdir(model_path):
+        return
+    weights = sum(os.path.getsize(os.path.join(model_path, n)) for n in os.listdir(model_path)
+                  if n.endswith((".safetensors", ".bin")))
+    free = shutil.disk_usage(args.shm_dir).free
+    if 2 * weights > free:
+        raise ConfigError(f"shm_dir: {args.shm_dir!r} has {free / 2**30:.2f} GiB free; the shm weight transport needs "
+                          f"about {2 * weights / 2**30:.2f} GiB (two copies of the {weights / 2**30:.2f} GiB of weights "
+                          f"in {model_path}). Free space there or point shm_dir at a larger RAM-backed directory.")
 
 
 def engine_kwargs(args: AsyncRLConfig, policy: torch.nn.Module) -> dict:

@@ -3,6 +3,8 @@ conversion between frames and the message dataclasses of `types.py`.
 
 A frame is a 4-byte big-endian length followed by that many bytes of UTF-8 JSON holding one object with a
 `kind`. JSON and nothing else: no pickle, so a frame from the network can at worst be rejected, never run code.
+Strict JSON: Python's `NaN`/`Infinity` extensions are refused in both directions (a non-finite log-prob or setting
+is broken input, never a value to compute with).
 Decoding checks every field's type and refuses unknown or missing keys, so a malformed frame fails at the edge with
 a message naming the field instead of deep inside the engine. Tensors never travel here (see
 `weight_sync/broadcast.py`); a `WeightUpdate` frame only says which tensors the broadcast will carry.
@@ -42,8 +44,12 @@ def keep_alive(sock: socket.socket, idle: int = 60, interval: int = 10, count: i
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
+def _refuse_constant(name: str):
+    raise ProtocolError(f"frame holds {name}: only finite numbers may cross the wire")
+
+
 def send_frame(sock: socket.socket, message: dict) -> None:
-    body = json.dumps(message, separators=(",", ":")).encode()
+    body = json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
     sock.sendall(_HEADER.pack(len(body)) + body)
 
 
@@ -52,7 +58,7 @@ def recv_frame(sock: socket.socket, max_bytes: int = MESSAGE_MAX_BYTES) -> dict:
     if size > max_bytes:
         raise ProtocolError(f"frame of {size} bytes exceeds the limit of {max_bytes}")
     try:
-        message = json.loads(_recv_exact(sock, size))
+        message = json.loads(_recv_exact(sock, size), parse_constant=_refuse_constant)  # NaN, Infinity
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ProtocolError(f"frame is not JSON: {exc}") from exc
     if not isinstance(message, dict) or not isinstance(message.get("kind"), str):

@@ -28,13 +28,15 @@ from async_rlhf import checkpointing
 from async_rlhf.config import AsyncRLConfig, ConfigError
 from async_rlhf.data.prompts import check_prompt_dataset, tokenize_prompts
 from async_rlhf.frozen_models import prepare_frozen, reference_model
-from async_rlhf.generation.placement import (check_context_length, check_generator_devices, engine_kwargs,
+from async_rlhf.generation.placement import (check_context_length, check_generator_devices, check_shm_space,
+                                             engine_kwargs,
                                              initial_model_dir)
 from async_rlhf.generation.pool_protocol import GeneratorFailed
 from async_rlhf.pipeline import RolloutPipeline
 from async_rlhf.run_summary import build_summary, format_summary
 from async_rlhf.scoring import RewardScorer, score_rows
 from async_rlhf.staleness_queue import StageTimeout
+from async_rlhf.trainers.nonfinite import NonFiniteGuard, NonFiniteSteps
 from async_rlhf.types import RolloutBatch, SamplingSettings, ScoredGroup
 
 LOG_HISTORY_KEPT = 100  # entries of `state.log_history` kept in memory; metrics.jsonl holds them all
@@ -102,6 +104,7 @@ class AsyncTrainerBase(Trainer):
             raise ConfigError("reward_funcs: pass a reward function, a reward model or a path "
                               "(or set reward_model_path)")
         check_generator_devices(args)
+        check_shm_space(args, model if isinstance(model, str) else None)
 
         # ---- tokenizer and prompts: cheap, so checked before any model loads -----------------------------------
         self._source_model_path = model if isinstance(model, str) else None
@@ -145,6 +148,7 @@ class AsyncTrainerBase(Trainer):
         self._loop_seconds = 0.0
         self._last_metrics: dict[str, float] = {}
         self.extra_logs: dict[str, float] = {}  # merged into the next log (e.g. periodic gold evaluation, rank 0)
+        self.nonfinite = NonFiniteGuard(args.max_nonfinite_steps, self.accelerator)  # see trainers/nonfinite.py
 
     # ---- data: tickets in, pipeline batches out ----------------------------------------------------------
     def get_train_dataloader(self) -> DataLoader:
@@ -211,12 +215,19 @@ class AsyncTrainerBase(Trainer):
         model.train()
         groups = self.micro_batch_groups()
         loss, metrics = self.compute_rollout_loss(model, groups)
+        self.nonfinite.note_loss(loss)
         for k, v in metrics.items():
             self._metrics[k].append(float(v))
         loss = loss / self.current_gradient_accumulation_steps
         kwargs = {"scale_wrt_gas": False} if self.accelerator.distributed_type == "DEEPSPEED" else {}
         self.accelerator.backward(loss, **kwargs)
         return loss.detach()
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        """The Trainer's last call before `optimizer.step()`: a step with a non-finite loss or norm is skipped."""
+        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        self.nonfinite.check_step(grad_norm, model, self.optimizer)
+        return grad_norm
 
     # ---- run: start generators, train, always shut down --------------------------------------------------
     def _identity(self) -> dict:
@@ -229,6 +240,7 @@ class AsyncTrainerBase(Trainer):
         checkpoint = checkpointing.resolve(resume_from_checkpoint, self.args.output_dir)
         restored = {"version": 0, "pending": [], "counters": {}}
         if checkpoint is not None:  # validated before any generator starts
+            checkpointing.check_resume_is_safe(checkpoint, unpickles=self.is_deepspeed_enabled)
             restored = checkpointing.load_pipeline_state(checkpoint, self._identity())
             model_dir, is_temp = checkpoint, False  # generators start from the checkpoint's weights
         else:
@@ -248,7 +260,7 @@ class AsyncTrainerBase(Trainer):
             output = super().train(resume_from_checkpoint=checkpoint, trial=trial,
                                    ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
             self._loop_seconds = time.perf_counter() - t_loop
-        except (GeneratorFailed, StageTimeout) as exc:  # raised on every rank, between two optimizer steps
+        except (GeneratorFailed, StageTimeout, NonFiniteSteps) as exc:  # raised on every rank, between two steps
             self.pipeline.close()  # the generators first: nothing more will come from them
             raise type(exc)(f"{exc}\n{self._checkpoint_after_failure()}") from exc
         finally:
@@ -284,8 +296,8 @@ class AsyncTrainerBase(Trainer):
         return bool(flag.item())
 
     def _checkpoint_after_failure(self) -> str:
-        """The pipeline failed for good between two optimizer steps (generator restarts exhausted, or a stage timed
-        out): save the learner as it stands, so the run resumes once the cause is fixed. Never overwrites a
+        """The run failed for good between two optimizer steps (generator restarts exhausted, a stage timed out, or
+        too many non-finite steps in a row, whose updates were skipped): save the learner as it stands, so the run resumes once the cause is fixed. Never overwrites a
         complete checkpoint. Returns the line that ends the error message."""
         step = self.state.global_step
         directory = os.path.join(self._get_output_dir(trial=None), f"checkpoint-{step}")
@@ -300,9 +312,11 @@ class AsyncTrainerBase(Trainer):
         return f"Saved {directory} at step {step}; resume with resume_from_checkpoint once the cause is fixed."
 
     def _save_checkpoint(self, model, trial):
+        directory = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+        if self.args.should_save:
+            checkpointing.begin_save(directory)  # rewriting a complete checkpoint: it is incomplete until the end
         super()._save_checkpoint(model, trial)
         if self.args.should_save:
-            directory = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
             pending = [b for b in self.pipeline.queue.pending() if b.batch_id >= self.state.global_step]
             checkpointing.save_pipeline_state(directory, self.state.global_step, pending,
                                               self.pipeline.counters(), self._identity())
@@ -321,7 +335,7 @@ class AsyncTrainerBase(Trainer):
             self._last_metrics = means
             self._metrics.clear()
         if self.pipeline is not None and "train_loss" not in logs:
-            logs = {**logs, **self.pipeline.stats()}
+            logs = {**logs, **self.pipeline.stats(), "learner/nonfinite_steps": float(self.nonfinite.total)}
         if self.extra_logs:
             logs, self.extra_logs = {**logs, **self.extra_logs}, {}
         super().log(logs, start_time)

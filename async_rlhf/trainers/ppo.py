@@ -78,6 +78,9 @@ class AsyncPPOTrainer(AsyncTrainerBase):
         return pg_loss + a.vf_coef * vf_loss, metrics
 
     def after_optimizer_step(self) -> None:
+        if self.nonfinite.skipped_last:  # the policy's step was skipped (non-finite): the critic's is too
+            self.critic_optimizer.zero_grad(set_to_none=True)
+            return
         if self.args.max_grad_norm and self.args.max_grad_norm > 0:
             self.accelerator.clip_grad_norm_(self.critic.parameters(), self.args.max_grad_norm)
         self.critic_optimizer.step()

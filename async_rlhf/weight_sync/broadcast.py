@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import queue
 import secrets
 import socket
@@ -80,6 +81,8 @@ class GroupInfo:
             if not isinstance(d[key], kind) or isinstance(d[key], bool):
                 raise ValueError(f"group info: {key} has type {type(d[key]).__name__}")
         info = cls(**d)
+        if not (math.isfinite(info.timeout) and info.timeout > 0):
+            raise ValueError(f"group info: timeout must be a finite number of seconds > 0, got {info.timeout}")
         if info.backend not in BACKENDS or not 0 < info.port < 65536 or not 0 < info.rank < info.world_size:
             raise ValueError(f"group info out of range: {info}")
         return info

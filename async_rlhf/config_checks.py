@@ -1,0 +1,139 @@
+"""Type, range and path checks of the config fields we declare (`config.py`), run first in `__post_init__`, before
+any model loads, so a value of the wrong type fails with a `ConfigError` naming the field and the value instead of a
+traceback from deep inside the run.
+
+Rules, from each field's declared annotation (`int`, `float | None`, `list[str]`, ...):
+* `int` takes an int and nothing else: `True` is not an int here, `1.5` and `"2"` are refused (no silent rounding);
+* `float` takes an int or a float (stored as float) that is finite: `inf` and `nan` are refused everywhere (a NaN
+  slips through every `>`/`<` range check, and an infinite timeout overflows the waits it reaches);
+* `bool` takes only `True`/`False`; `str` only a string; `dict` a dict with string keys;
+* `list[X]` takes a list of X; a single X is also taken where `__post_init__` accepts one (a comma-separated string
+  for `generator_devices` and `generator_servers`, one number for online DPO's `beta`).
+Ranges that the type alone cannot say are in `RANGES`. `check_dir` checks a directory we write into exists, is
+writable and has room.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import shutil
+import types
+import typing
+
+from transformers import TrainingArguments
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field."""
+
+
+# field -> (predicate, what the value must be)
+RANGES = {
+    "generator_max_restarts": (lambda v: v >= 0, ">= 0"),
+    "vllm_tensor_parallel_size": (lambda v: v >= 1, ">= 1"),
+    "vllm_max_model_len": (lambda v: v >= 1, ">= 1 (or None)"),
+    "vllm_gpu_memory_utilization": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "max_length": (lambda v: v >= 2, ">= 2"),
+    "max_completion_length": (lambda v: v >= 1, ">= 1 (or None)"),
+    "max_nonfinite_steps": (lambda v: v >= 0, ">= 0"),
+    "gamma": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "lam": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "vf_coef": (lambda v: v >= 0, ">= 0"),
+    "cliprange_value": (lambda v: v > 0, "> 0"),
+    "weight_broadcast_host": (lambda v: v != "", "a host name or address (or None)"),
+    "shm_dir": (lambda v: v != "", "a directory"),
+}
+TIMEOUT_FIELDS = ("generator_start_timeout", "rollout_timeout", "weight_sync_timeout")
+SINGLE_FOR_LIST = ("generator_devices", "generator_servers", "beta")  # `__post_init__` turns a single value into a list
+MIN_FREE_BYTES = 16 << 20  # below this a directory we write weights into is certainly too full
+
+
+class _Refused(ValueError):
+    pass
+
+
+def own_fields(config) -> dict[str, object]:
+    """name -> declared type of every field declared by our config classes (not TrainingArguments')."""
+    theirs = {f.name for f in dataclasses.fields(TrainingArguments)}
+    hints = typing.get_type_hints(type(config))  # real types: `config.py` postpones its annotations
+    return {f.name: hints[f.name] for f in dataclasses.fields(config) if f.name not in theirs}
+
+
+def _convert(value, kind, where: str):
+    """`value` checked against the type `kind` (int, float, bool, str, dict, list[X], X | None)."""
+    options = typing.get_args(kind) if typing.get_origin(kind) in (typing.Union, types.UnionType) else (kind,)
+    if type(None) in options:
+        if value is None:
+            return None
+        options = tuple(o for o in options if o is not type(None))
+    (kind,) = options
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise _Refused(f"{where}: expected True or False, got {value!r} ({type(value).__name__})")
+        return value
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _Refused(f"{where}: expected an integer, got {value!r} ({type(value).__name__})")
+        return value
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _Refused(f"{where}: expected a number, got {value!r} ({type(value).__name__})")
+        if not math.isfinite(value):
+            raise _Refused(f"{where}: must be finite, got {value!r}")
+        return float(value)
+    if kind is str:
+        if not isinstance(value, str):
+            raise _Refused(f"{where}: expected a string, got {value!r} ({type(value).__name__})")
+        return value
+    if kind is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise _Refused(f"{where}: expected a dict with string keys, got {value!r}")
+        return value
+    if typing.get_origin(kind) is list:
+        if not isinstance(value, list):
+            raise _Refused(f"{where}: expected a list, got {value!r} ({type(value).__name__})")
+        (item,) = typing.get_args(kind)
+        return [_convert(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    raise TypeError(f"{where}: no check for type {kind!r}")  # a new field type: add its rule above
+
+
+def _list_item(kind):
+    """list[X] or list[X] | None -> X; anything else -> None."""
+    options = typing.get_args(kind) if typing.get_origin(kind) in (typing.Union, types.UnionType) else (kind,)
+    lists = [o for o in options if typing.get_origin(o) is list]
+    return typing.get_args(lists[0])[0] if lists else None
+
+
+def check_types(config) -> None:
+    """Check (and normalise ints to floats in float fields of) every field we declare; raise ConfigError."""
+    for name, kind in own_fields(config).items():
+        value = getattr(config, name)
+        try:
+            item = _list_item(kind)
+            if name in SINGLE_FOR_LIST and item is not None and not isinstance(value, list) and value is not None:
+                _convert(value, item, name)  # a single value of the item type; `__post_init__` makes the list
+                continue
+            value = _convert(value, kind, name)
+        except _Refused as exc:
+            raise ConfigError(str(exc)) from None
+        if name in RANGES and value is not None:
+            ok, what = RANGES[name]
+            if not ok(value):
+                raise ConfigError(f"{name}: must be {what}, got {value!r}")
+        if name in TIMEOUT_FIELDS and not value > 0:
+            raise ConfigError(f"{name}: must be > 0 seconds, got {value!r}")
+        setattr(config, name, value)
+
+
+def check_dir(name: str, path: str, min_free: int = MIN_FREE_BYTES) -> None:
+    """`path` (the value of field `name`) is an existing, writable directory with at least `min_free` bytes free."""
+    if not os.path.isdir(path):
+        raise ConfigError(f"{name}: {path!r} is not an existing directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"{name}: {path!r} is not writable by this user")
+    free = shutil.disk_usage(path).free
+    if free < min_free:
+        raise ConfigError(f"{name}: {path!r} has {free / 2**20:.1f} MiB free, needs at least {min_free / 2**20:.1f} "
+                          "MiB")
