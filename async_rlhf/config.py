@@ -164,6 +164,12 @@ class AsyncRLConfig(TrainingArguments):
                   "loss scaler skips their update."},
     )
     disable_dropout: bool = field(default=True, metadata={"help": "Disable dropout in the policy and reference."})
+    reference_shared_prefix: bool = field(
+        default=False,
+        metadata={"help": "Run each prompt once through the frozen reference model and reuse its key/value cache for "
+                  "the prompt's completions (RLHFless's shared prefix; equal to the unshared forward within float "
+                  "tolerance, see benchmarks/shared_prefix.py for the time saved)."},
+    )
     model_init_kwargs: dict | None = field(default=None, metadata={"help": "kwargs for from_pretrained."})
     min_generations = 2  # class constant (not a field): pairs / leave-one-out need two samples per prompt
     # ---- TrainingArguments defaults that differ (CPU-sized, nothing phones home) -----------------------------

@@ -93,13 +93,72 @@ class SequenceTerms:
 
 
 def sequence_terms(model, ref_model, groups: list[ScoredGroup], *, pad_id: int, max_length: int, device,
-                   temperature: float, sampling_temperature: float, select=None) -> SequenceTerms:
+                   temperature: float, sampling_temperature: float, select=None,
+                   shared_prefix: bool = False) -> SequenceTerms:
     """The rows `select` ((group, completion) pairs; default every completion of every group) packed once and run
     through the policy (with gradient) and the reference (without), both at `temperature`: 1 for DPO-style losses
-    on sequence log-probs, the sampling temperature for policy-gradient ratios against the behaviour log-probs."""
+    on sequence log-probs, the sampling temperature for policy-gradient ratios against the behaviour log-probs.
+    `shared_prefix`: the reference runs each group's prompt once (`shared_prefix_logps`)."""
     ids, attn, comp, completions = completion_batch(groups, pad_id, max_length, device, select)
     logps, mask, drift = token_logps(model, ids, attn, comp, temperature=temperature,
                                      drift_temperature=sampling_temperature)
-    with torch.no_grad():
-        ref, _, _ = token_logps(ref_model, ids, attn, comp, temperature=temperature)
+    ref = None
+    if shared_prefix:
+        ref = shared_prefix_logps(ref_model, groups, select, mask, max_length, temperature=temperature)
+    if ref is None:
+        with torch.no_grad():
+            ref, _, _ = token_logps(ref_model, ids, attn, comp, temperature=temperature)
     return SequenceTerms(ids, attn, comp, logps, ref, drift, behaviour_logps(completions, mask), mask, completions)
+
+
+@torch.no_grad()
+def shared_prefix_logps(model, groups: list[ScoredGroup], select, mask: torch.Tensor, max_length: int,
+                        temperature: float = 1.0) -> torch.Tensor | None:
+    """Frozen-model log-probs of the rows `select` with each group's prompt run once (RLHFless's shared prefix):
+    the prompts go through `model` as one left-padded batch, their key/value cache is expanded to the rows that
+    continue them, and the completions run on top of it. Equal to `token_logps` on the packed rows within float
+    tolerance (tests/unit/test_shared_prefix.py); the prompt's forward is paid once per group, not once per sample.
+
+    `mask` is the packed rows' completion mask ([B, L-1], from `token_logps`): the result is laid out like it.
+    Returns None (the caller then runs the unshared forward) when a row is cut to `max_length`, since its prompt
+    is then truncated differently from its siblings'."""
+    pairs = select if select is not None else [(g, i) for g, grp in enumerate(groups) for i in range(len(grp.completions))]
+    completions = [groups[g].completions[i].token_ids for g, i in pairs]
+    if any(len(groups[g].prompt_token_ids) + len(c) > max_length or not c for (g, _), c in zip(pairs, completions)):
+        return None
+    device = mask.device
+    order = list(dict.fromkeys(g for g, _ in pairs))  # the groups these rows continue, each once
+    slot = {g: k for k, g in enumerate(order)}
+    prompts = [groups[g].prompt_token_ids for g in order]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    attn = torch.zeros((len(prompts), width), dtype=torch.long)
+    for k, p in enumerate(prompts):  # left padding: every prompt ends at column `width`
+        ids[k, width - len(p):] = torch.tensor(p)
+        attn[k, width - len(p):] = 1
+    ids, attn = ids.to(device), attn.to(device)
+    positions = (attn.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=True)
+    last = out.logits[:, -1].float()  # [G, V]: the distribution of each group's first completion token
+    rows = torch.tensor([slot[g] for g, _ in pairs], device=device)
+    cache = out.past_key_values
+    cache.batch_select_indices(rows)  # [G, ...] -> [B, ...]: row r continues prompt rows[r]
+    span = max(len(c) for c in completions)
+    comp = torch.zeros((len(pairs), span), dtype=torch.long)
+    comp_attn = torch.zeros_like(comp)
+    for r, c in enumerate(completions):  # right padding after the completion: causal, so nothing earlier sees it
+        comp[r, :len(c)] = torch.tensor(c)
+        comp_attn[r, :len(c)] = 1
+    comp, comp_attn = comp.to(device), comp_attn.to(device)
+    lengths = attn.sum(-1)[rows]
+    logits = model(input_ids=comp, attention_mask=torch.cat([attn[rows], comp_attn], dim=1),
+                   position_ids=lengths[:, None] + torch.arange(span, device=device)[None],
+                   past_key_values=cache).logits.float()  # [B, C, V]: position t predicts token t + 1
+    logits = torch.cat([last[rows][:, None], logits[:, :-1]], dim=1)  # [B, C]: the logits each token was drawn from
+    if temperature not in (0.0, 1.0):
+        logits = logits / temperature
+    logps = logits.log_softmax(-1).gather(-1, comp[..., None]).squeeze(-1)  # [B, C]
+    result = torch.zeros_like(mask)
+    for r, c in enumerate(completions):
+        result[r, mask[r].nonzero().squeeze(-1)] = logps[r, :len(c)].to(result.dtype)
+    return result

@@ -174,7 +174,7 @@ class AsyncTrainerBase(Trainer):
     def packing(self) -> dict:
         """How `logprobs.sequence_terms` packs this trainer's rows."""
         return {"pad_id": self.processing_class.pad_token_id, "max_length": self.args.max_length,
-                "device": self.accelerator.device}
+                "device": self.accelerator.device, "shared_prefix": self.args.reference_shared_prefix}
 
     def micro_batch_groups(self) -> list[ScoredGroup]:
         """This rank's prompts of the current micro-batch, with their completions scored."""

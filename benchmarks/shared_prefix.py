@@ -1,0 +1,103 @@
+"""Reference log-probs with and without the shared prompt prefix (`reference_shared_prefix`), at n = 2, 4, 8.
+
+    python benchmarks/shared_prefix.py                 # built-in task's SFT model and prompts (built on first use)
+    python benchmarks/shared_prefix.py --prompts 32 --repeats 5 --threads 1
+
+Per n: the built-in task's first `--prompts` training prompts, n completions each sampled from the SFT policy at
+temperature 1 (max 24 tokens), then the frozen-model forward that the learner runs every step, timed both ways
+in the same process (median of `--repeats` after a warm-up): `token_logps` over the packed prompt + completion
+rows (unshared), and `shared_prefix_logps` (each prompt once, its key/value cache expanded to its n rows). Also
+prints the largest difference between the two (float tolerance) and the tokens each way runs through the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def median_seconds(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=32, help="prompts per step (the default run's 32)")
+    parser.add_argument("--ns", type=int, nargs="+", default=[2, 4, 8], help="completions per prompt")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (the learner's share of 2 cores)")
+    args = parser.parse_args(argv)
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from async_rlhf.data.builtin_task import make_splits
+    from async_rlhf.data.prepare import prepare_builtin
+    from async_rlhf.generation.hf_backend import TransformersSampler
+    from async_rlhf.logprobs import completion_batch, shared_prefix_logps, token_logps
+    from async_rlhf.types import SamplingSettings, ScoredGroup
+
+    torch.set_num_threads(args.threads)
+    paths = prepare_builtin(seed=0)
+    tok = AutoTokenizer.from_pretrained(paths["tokenizer"])
+    model = AutoModelForCausalLM.from_pretrained(paths["sft_model"], dtype=torch.float32).eval()
+    rows = make_splits(seed=0)["train"].select(range(args.prompts))
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in rows["prompt"]]
+    max_length = 512
+    print(f"model {paths['sft_model']} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters), "
+          f"{args.prompts} prompts of {statistics.mean(len(p) for p in prompts):.1f} tokens on average, "
+          f"{args.threads} thread(s)")
+    print(f"{'n':>3} {'completion tokens':>18} {'tokens unshared':>16} {'tokens shared':>14} {'unshared s':>11} "
+          f"{'shared s':>9} {'speed-up':>9} {'max |diff|':>11}")
+    results = []
+    for n in args.ns:
+        sampler = TransformersSampler(model, tok.pad_token_id, tok.eos_token_id)
+        samples = sampler.generate(prompts, SamplingSettings(max_new_tokens=24, temperature=1.0, n=n, seed=0))
+        groups = [ScoredGroup(i, p, s, [0.0] * n, 0) for i, (p, s) in enumerate(zip(prompts, samples))]
+        ids, attn, comp, _ = completion_batch(groups, tok.pad_token_id, max_length, "cpu")
+        with torch.no_grad():
+            unshared, mask, _ = token_logps(model, ids, attn, comp)
+        shared = shared_prefix_logps(model, groups, None, mask, max_length)
+        comp_tokens = sum(len(c.token_ids) for s in samples for c in s)
+        prompt_tokens = sum(len(p) for p in prompts)
+        row = {
+            "n": n, "completion_tokens": comp_tokens,
+            "tokens_unshared": int(ids.shape[0] * ids.shape[1]),  # padded, as the forward sees them
+            "tokens_shared": len(prompts) * max(len(p) for p in prompts) + len(groups) * n * max(
+                len(c.token_ids) for s in samples for c in s),
+            "unshared_seconds": median_seconds(lambda: _no_grad(token_logps, model, ids, attn, comp), args.repeats),
+            "shared_seconds": median_seconds(lambda: shared_prefix_logps(model, groups, None, mask, max_length),
+                                             args.repeats),
+            "max_abs_diff": float((shared - unshared).abs().max()),
+            "prompt_tokens": prompt_tokens,
+        }
+        row["speed_up"] = row["unshared_seconds"] / row["shared_seconds"]
+        results.append(row)
+        print(f"{n:>3} {comp_tokens:>18} {row['tokens_unshared']:>16} {row['tokens_shared']:>14} "
+              f"{row['unshared_seconds']:>11.4f} {row['shared_seconds']:>9.4f} {row['speed_up']:>8.2f}x "
+              f"{row['max_abs_diff']:>11.2e}")
+    return results
+
+
+def _no_grad(fn, *args):
+    import torch
+
+    with torch.no_grad():
+        return fn(*args)
+
+
+if __name__ == "__main__":
+    main()
