@@ -106,3 +106,16 @@ def _convert(action, value: str):
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{action.dest}: {value!r} is not a valid {getattr(action.type, '__name__', 'value')}") \
             from exc
+
+
+def set_process_defaults() -> None:
+    """Environment defaults for a recipe's process, set before the libraries read them (children inherit them):
+    - wandb offline unless the user set WANDB_MODE (no login prompt when `report_to` names wandb);
+    - DeepSpeed told it runs on the CPU when no GPU is visible: left to detect it, it warns "Setting accelerator to
+      CPU. If you have GPU or other accelerator, we were unable to detect it." on every run, though nothing is wrong.
+    """
+    os.environ.setdefault("WANDB_MODE", "offline")
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")

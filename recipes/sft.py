@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 if __package__ in (None, ""):  # `python recipes/sft.py` from a checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from async_rlhf.cli import parse_args
+from async_rlhf.cli import parse_args, set_process_defaults
 from async_rlhf.data.prepare import SFTSettings
 
 
@@ -56,4 +56,5 @@ def main(argv: list[str]) -> dict:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    set_process_defaults()
     main(sys.argv[1:])
