@@ -15,8 +15,10 @@ Two halves, as in vLLM's `nccl_engine.py`:
   NCCL and IPC engines: `initialize_layerwise_reload`, `model.load_weights(views)`, `finalize_layerwise_reload`.
 - trainer side, `ShmTrainerWeightTransferEngine`, registered with `WeightTransferTrainerFactory`.
   `send_weights(update)` takes the `WeightUpdate` that `publish` returned and drives the round trip through any
-  `VLLMWeightSyncClient`: vLLM's `HTTPVLLMWeightSyncClient` for a `vllm serve`, or
-  `generation.vllm_backend.LLMClient` for the in-process `vllm.LLM` of our generator processes.
+  `VLLMWeightSyncClient`: vLLM's `HTTPVLLMWeightSyncClient` for a `vllm serve` started with
+  `--weight-transfer-config '{"backend": "async_rlhf_shm"}'` and our `--worker-extension-cls`
+  (tests/integration/test_vllm_weight_routes.py), or `generation.vllm_backend.LLMClient` for the in-process
+  `vllm.LLM` of our generator processes.
 
 Guarantees:
 - The engine's weight version is ours: `finish_weight_update(str(update.version))`, so `LLM.get_weight_version()`

@@ -194,10 +194,10 @@ def test_vllm_refuses_wrong_names_before_loading(vllm_backend, tiny_model_dir, n
     assert tokens(vllm_backend.generate(PROMPTS, GREEDY)) == before
 
     # The worker's own check, after start_weight_update has moved every layer to the meta device.
-    llm = vllm_backend.llm
+    llm, state_names = vllm_backend.llm, new_weights[1].state_dict().keys()
     llm.start_weight_update()
     with pytest.raises(Exception, match="differs from its update"):
-        llm.update_weights({"update_info": {"path": wrong, "version": 22, "names": sorted(new_weights[1].state_dict())}})
+        llm.update_weights({"update_info": {"path": wrong, "version": 22, "names": sorted(state_names)}})
     assert tokens(vllm_backend.generate(PROMPTS, GREEDY)) == before  # nothing was loaded
     vllm_backend.load_weights(WeightUpdate(version=23, transport="shm", path=new_weights[0]))  # and it still loads
     assert vllm_backend.weight_version == "23"
