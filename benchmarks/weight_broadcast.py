@@ -7,15 +7,18 @@ to a generator server (remote generators), against a plain tensor copy of the sa
 Phases, as the pipeline logs them (median of --repeats syncs after a warm-up; GB/s = state-dict bytes / seconds):
   gather      learner rank 0: `gather_full_state` (the CPU copy of the weights, taken before the optimizer steps)
   shm write   `ShmWeightTransport.publish`: safetensors into /dev/shm (blocks the learner)
-  shm load    the vLLM generator reloads from that file (`VLLMBackend.load_weights`)
+  shm load    the vLLM generator loads that file (`VLLMBackend.load_weights`: vLLM's native weight-transfer calls
+              with our "async_rlhf_shm" backend, which maps the file and feeds vLLM's layerwise reload)
   bc send     the gloo broadcast of the same tensors to a process that only receives: the wire alone
   bc load     a vLLM generator server receiving and reloading them tensor by tensor (receive and reload overlap;
               off the learner's path: rank 0's sender thread broadcasts while training goes on)
   bc sync     publish -> the server's acknowledgement, end to end
   copy        one `tensor.copy_` of the same number of bytes: the memory-bandwidth floor
 The table has one line per transport: transfer is "shm write" or "bc send", load "shm load" or "bc load", sync the
-whole update as a generator sees it (shm: gather + write + load; broadcast: gather + bc sync), and blocked what
-the learner waits for (shm: gather + write; broadcast: gather, the rest runs on the sender thread). The shm
+whole update as a generator sees it (shm: gather + write + load; broadcast: gather + bc sync), x copy that sync
+time over the copy time, and blocked what the learner waits for (shm: gather + write; broadcast: gather, the rest
+runs on the sender thread). Below the table, the shm load split into the engine's start / update / finish calls,
+and whether the generator's log-probs equal the learner's after a sync (see weight_load.py). The shm
 numbers come from benchmarks/weight_load.py (one subprocess per size, its own engine); the broadcast ones from a
 real `python -m async_rlhf.generation.server` process driven by the trainer's own `RemoteGeneratorPool` over
 loopback.
@@ -160,7 +163,8 @@ def measure_shm(size: str, repeats: int, threads: int) -> dict:
     if out.returncode != 0 or not lines:
         sys.exit(f"{size}: weight_load.py failed\n{out.stderr[-3000:]}")
     r = json.loads(lines[-1][4:])
-    return {"shm_write": r["save"], "shm_load": r["vllm"], "copy": r["copy"]}
+    return {"shm_write": r["save"], "shm_load": r["vllm"], "copy": r["copy"], "equal": r["equal"],
+            **{f"shm_{k}": r[k] for k in ("start", "update", "finish", "reload")}}
 
 
 def main() -> None:
@@ -184,7 +188,7 @@ def main() -> None:
 def print_table(rows: list[dict]) -> None:
     """One line per size and transport: seconds and GB/s per phase; `blocked` is what the learner waits for."""
     print(f"{'size':>5} {'MB':>6} {'transport':>9} | {'gather s':>9} {'GB/s':>5} | {'transfer s':>10} {'GB/s':>5} | "
-          f"{'load s':>7} {'GB/s':>5} | {'sync s':>7} {'GB/s':>5} | {'blocked s':>9}")
+          f"{'load s':>7} {'GB/s':>5} | {'sync s':>7} {'GB/s':>5} {'x copy':>6} | {'blocked s':>9}")
     for r in rows:
         gb = r["mb"] / 1e3
         lines = [("shm", r["shm_write"], r["shm_load"], r["gather"] + r["shm_write"] + r["shm_load"],
@@ -193,8 +197,12 @@ def print_table(rows: list[dict]) -> None:
         for name, transfer, load, total, blocked in lines:
             print(f"{r['size']:>5} {r['mb']:>6.1f} {name:>9} | {r['gather']:>9.4f} {gb / r['gather']:>5.2f} | "
                   f"{transfer:>10.4f} {gb / transfer:>5.2f} | {load:>7.4f} {gb / load:>5.2f} | {total:>7.4f} "
-                  f"{gb / total:>5.2f} | {blocked:>9.4f}")
+                  f"{gb / total:>5.2f} {total / r['copy']:>6.1f} | {blocked:>9.4f}")
         print(f"{r['size']:>5} {r['mb']:>6.1f} {'copy':>9} | {'':>15} | {r['copy']:>10.4f} {gb / r['copy']:>5.2f} |")
+    for r in rows:
+        print(f"{r['size']}: shm load = engine start {r['shm_start']:.4f} s + update {r['shm_update']:.4f} s + finish "
+              f"{r['shm_finish']:.4f} s (the previous reload_weights path: {r['shm_reload']:.4f} s); generator "
+              f"log-probs equal the learner's after a sync: {r['equal']}")
 
 if __name__ == "__main__":
     main()

@@ -5,10 +5,16 @@
 
 Columns (median of --repeats runs after one warm-up; GB/s = state-dict bytes / seconds):
   save       learner side: `safetensors.torch.save_file(model.state_dict())` into /dev/shm
-  vllm       `VLLMBackend.load_weights`: safe_open (memory-mapped) -> worker `reload_weights` -> prefix-cache reset
-  vllm_file  the same reload fed from `safetensors.torch.load_file` (whole file read first), for comparison
-  hf         `HFBackend.load_weights`: load_file + `load_state_dict`
+  vllm       `VLLMBackend.load_weights`: header check -> vLLM's native start/update/finish_weight_update with our
+             "async_rlhf_shm" backend (the file memory-mapped, views into vLLM's layerwise reload) -> prefix reset
+  start, update, finish   the three engine calls of `vllm`, timed one by one (update: the weight loaders copy the
+             file's bytes into re-created layers and each layer is re-processed as soon as it is complete;
+             finish: the attention layers and the rest)
+  reload     the previous path, for comparison: our copying reader -> the worker's `reload_weights`
+  hf         `HFBackend.load_weights`: our copying reader + `load_state_dict`
   copy       one `tensor.copy_` of the same number of bytes: the memory-bandwidth floor
+Each row also checks that the generator computes what the learner computes after a sync: a perturbed policy is
+loaded through `vllm` and its greedy log-probs must equal the transformers forward's (`equal`, atol 1e-4).
 
 Each size runs in its own subprocess (vLLM reads its environment once per process, so one engine per process)
 with OMP_NUM_THREADS=--threads. On a busy machine more torch threads than free cores makes every parallel
@@ -44,11 +50,53 @@ def median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def load_via_load_file(worker, path: str) -> None:
-    """Runs inside the vLLM worker (collective_rpc): the non-mmap variant of the extension's loader."""
-    from safetensors.torch import load_file
+def load_via_reload(worker, path: str) -> None:
+    """Runs inside the vLLM worker (collective_rpc): the path `VLLMBackend` took before the weight-transfer engine."""
+    from async_rlhf.weight_sync.safetensors_io import iter_safetensors
 
-    worker.reload_weights(weights_iterator=iter(load_file(path).items()))
+    worker.reload_weights(weights_iterator=iter_safetensors(path))
+
+
+def engine_phases(vllm, path: str, repeats: int) -> dict:
+    """Median seconds of each native engine call (the `vllm` column without the header check and prefix reset)."""
+    from async_rlhf.generation.vllm_backend import LLMClient
+    from async_rlhf.weight_sync.safetensors_io import read_header
+
+    client, names = LLMClient(vllm.llm), sorted(read_header(path)[0])
+    times = {"start": [], "update": [], "finish": []}
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        client.start_weight_update()
+        t1 = time.perf_counter()
+        client.update_weights({"path": path, "version": 1, "names": names})
+        t2 = time.perf_counter()
+        client.finish_weight_update("1")
+        t3 = time.perf_counter()
+        if i:  # the first is the warm-up
+            for k, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
+                times[k].append(dt)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def generator_equals_learner(vllm, model, path: str) -> bool:
+    """Load a perturbed policy through the native path; the generator's greedy log-probs must be the learner's."""
+    import torch
+    from safetensors.torch import save_file
+
+    from async_rlhf.types import SamplingSettings, WeightUpdate
+
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path)
+    vllm.load_weights(WeightUpdate(version=2, transport="shm", path=path))
+    prompt = [2, 40, 41, 42, 43]
+    (completion,), = vllm.generate([prompt], SamplingSettings(max_new_tokens=8, temperature=0.0, n=1))
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion.token_ids])).logits[0, len(prompt) - 1 : -1].float()
+    expected = logits.log_softmax(-1).gather(-1, torch.tensor(completion.token_ids)[:, None])[:, 0]
+    return vllm.weight_version == "2" and torch.allclose(torch.tensor(completion.logprobs), expected, atol=1e-4)
 
 
 def measure(size: str, repeats: int) -> dict:
@@ -81,9 +129,11 @@ def measure(size: str, repeats: int) -> dict:
                 mb=num_bytes / 1e6,
                 save=save_s,
                 vllm=median_seconds(lambda: vllm.load_weights(update), repeats),
-                vllm_file=median_seconds(lambda: rpc(load_via_load_file, args=(shm_path,)), repeats),
+                **engine_phases(vllm, shm_path, repeats),
+                reload=median_seconds(lambda: rpc(load_via_reload, args=(shm_path,)), repeats),
                 hf=median_seconds(lambda: hf.load_weights(update), repeats),
             )
+            row["equal"] = generator_equals_learner(vllm, model, shm_path)
         finally:
             vllm.close()
             os.unlink(shm_path)
@@ -113,12 +163,12 @@ def main() -> None:
             sys.exit(f"{size}: benchmark subprocess failed\n{out.stderr[-3000:]}")
         rows.append(json.loads(lines[-1][4:]))
 
-    cols = ["save", "vllm", "vllm_file", "hf", "copy"]
+    cols = ["save", "vllm", "start", "update", "finish", "reload", "hf", "copy"]
     print(f"{os.cpu_count()} CPUs, OMP_NUM_THREADS={args.threads}, load average {os.getloadavg()[0]:.1f}")
     print(f"{'size':>5} {'params':>11} {'MB':>7} " + " ".join(f"{c + ' s':>11} {'GB/s':>6}" for c in cols))
     for r in rows:
         cells = " ".join(f"{r[c]:>11.4f} {r['mb'] / 1e3 / r[c]:>6.2f}" for c in cols)
-        print(f"{r['size']:>5} {r['params']:>11,} {r['mb']:>7.1f} {cells}")
+        print(f"{r['size']:>5} {r['params']:>11,} {r['mb']:>7.1f} {cells}  equal={r['equal']}")
 
 
 if __name__ == "__main__":

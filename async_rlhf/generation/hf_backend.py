@@ -87,7 +87,7 @@ class HFBackend:
     def load_weights(self, update: WeightUpdate) -> None:
         """Copy every tensor of the learner's state dict into the model; names must match exactly."""
         if update.transport == "shm":
-            from async_rlhf.generation.vllm_worker_extension import iter_safetensors  # no vLLM import
+            from async_rlhf.weight_sync.safetensors_io import iter_safetensors
 
             # not safetensors' load_file: it leaves objects behind on every read (see iter_safetensors)
             self.model.load_state_dict(dict(iter_safetensors(update.path)), strict=True)

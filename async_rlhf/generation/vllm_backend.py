@@ -29,11 +29,18 @@ dtype: vLLM's "auto" runs a float32 checkpoint in bfloat16 (CPU and GPU alike). 
 from exactly the learner's fp32 policy: on the tiny model bf16 behaviour log-probs differ from the transformers
 forward by up to 3e-3, float32 ones by 5e-7.
 
-Weight updates: see `vllm_worker_extension.py` for why both transports go through the worker's `reload_weights`.
-"shm" reads a safetensors file; "broadcast" receives one tensor per entry of the update from learner rank 0 over a
-group the worker joined once (`join_weight_group`), gloo on CPU and NCCL on GPU (`weight_sync/broadcast.py`). This
-is the shape of vLLM 0.32's own weight-transfer engine (`vllm/distributed/weight_transfer/nccl_engine.py`), which
-is NCCL-only (PyNccl needs CUDA); ours runs the same code on CPU, which is what lets the tests exercise it.
+Weight updates. "shm" goes through vLLM's native RL weight path: the engine is built with
+`weight_transfer_config={"backend": "async_rlhf_shm"}` (our backend, `weight_sync/vllm_shm_engine.py`, registered
+in the worker when it imports `vllm_worker_extension.py`), and `load_weights` hands the update to that backend's
+trainer-side engine with `LLMClient` as its client, which calls `LLM.start_weight_update`, `update_weights` and
+`finish_weight_update(weight_version=str(version))`: the same calls a learner makes over HTTP to a `vllm serve`.
+So the engine's `get_weight_version()` (and the version spans vLLM puts on outputs) is our policy version.
+"broadcast" receives one tensor per entry of the update from learner rank 0 over a group the worker joined once
+(`join_weight_group`), gloo on CPU and NCCL on GPU (`weight_sync/broadcast.py`), through our worker extension's
+`collective_rpc` methods and the worker's `reload_weights`; the version is then set with `update_weight_version`.
+This is the shape of vLLM 0.32's own NCCL engine (`vllm/distributed/weight_transfer/nccl_engine.py`), which is
+NCCL-only (PyNccl needs CUDA); ours runs the same code on CPU, which is what lets the tests exercise it.
+Before either loads anything, the update's names (and shapes) must equal the model's state dict exactly.
 """
 
 from __future__ import annotations
@@ -84,6 +91,10 @@ class VLLMBackend:
         if device == "cpu":
             _check_cpu_head_size(model_path)
             kv_cache_memory_bytes = kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        from async_rlhf.weight_sync import vllm_shm_engine
+
         self.device = device
         self._params = _state_dict_meta(model_path)
         self._llm: LLM | None = LLM(
@@ -98,7 +109,10 @@ class VLLMBackend:
             enable_prefix_caching=enable_prefix_caching,
             logprobs_mode="processed_logprobs",
             worker_extension_cls=EXTENSION,
+            weight_transfer_config={"backend": vllm_shm_engine.BACKEND},
         )
+        self._weights = WeightTransferTrainerFactory.trainer_init(
+            vllm_shm_engine.ShmTrainerInitInfo(rank=0), client=LLMClient(self._llm))
 
     @property
     def llm(self) -> LLM:
@@ -133,26 +147,32 @@ class VLLMBackend:
         return [[_completion(c) for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
 
     def load_weights(self, update: WeightUpdate) -> None:
+        """Load `update` and make it the engine's weight version; a mismatched update is refused before loading."""
         if update.transport == "shm":
-            from safetensors import safe_open
+            from async_rlhf.weight_sync.safetensors_io import read_header
 
-            with safe_open(update.path, framework="pt") as f:  # reads the header only
-                self._check_names(list(f.keys()))
-            self.llm.collective_rpc("load_safetensors_weights", args=(update.path,))
+            header = read_header(update.path)[0]  # the header only
+            self._check_names(list(header))
+            self._check_shapes(list(header), [header[n]["shape"] for n in header])
+            self._weights.send_weights(update)
         elif update.transport == "broadcast":
             from async_rlhf.weight_sync.broadcast import check_update_metadata
 
             check_update_metadata(update)
             self._check_names(update.names)
-            wrong = [(n, s, self._params[n][1]) for n, s in zip(update.names, update.shapes) if s != self._params[n][1]]
-            if wrong:
-                raise ValueError(f"weight update shapes differ from this model's (name, sent, expected): {wrong[:5]}")
+            self._check_shapes(update.names, update.shapes)
             self.llm.collective_rpc("load_broadcast_weights", kwargs={
                 "version": update.version, "names": update.names, "dtypes": update.dtypes, "shapes": update.shapes})
+            self.llm.update_weight_version(str(update.version))
         else:
             raise ValueError(f"unknown weight transport {update.transport!r}; expected 'shm' or 'broadcast'")
         # Cached prefix blocks hold keys/values computed by the old weights.
         self.llm.reset_prefix_cache()
+
+    @property
+    def weight_version(self) -> str:
+        """The engine's record of the loaded weights: str(policy version) after a sync, "default" before any."""
+        return self.llm.get_weight_version()
 
     def _check_names(self, names: list[str]) -> None:
         """Demand exactly the names of the transformers model's `state_dict()`, like `load_state_dict(strict=True)`.
@@ -162,6 +182,11 @@ class VLLMBackend:
         missing, unexpected = self._params.keys() - set(names), set(names) - self._params.keys()
         if missing or unexpected:
             raise ValueError(f"weight update names differ: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+
+    def _check_shapes(self, names: list[str], shapes: list[list[int]]) -> None:
+        wrong = [(n, list(s), self._params[n][1]) for n, s in zip(names, shapes) if list(s) != self._params[n][1]]
+        if wrong:
+            raise ValueError(f"weight update shapes differ from this model's (name, sent, expected): {wrong[:5]}")
 
     @property
     def num_workers(self) -> int:
@@ -183,6 +208,26 @@ class VLLMBackend:
         self._llm.llm_engine.engine_core.shutdown()
         self._llm = None
         gc.collect()
+
+
+class LLMClient:
+    """vLLM's `VLLMWeightSyncClient` protocol over an in-process `vllm.LLM`, so the trainer-side engine that drives
+    a `vllm serve` over HTTP drives our generator's engine too (vLLM ships HTTP and Ray clients only)."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: dict | list[dict]) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version=weight_version)
 
 
 def _completion(output: CompletionOutput) -> Completion:

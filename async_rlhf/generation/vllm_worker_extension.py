@@ -1,79 +1,41 @@
-"""Methods injected into every vLLM worker so the generator can swap weights with `llm.collective_rpc`.
+"""What our generators add to every vLLM worker: the `async_rlhf_shm` weight-transfer backend, and the methods of
+the "broadcast" transport.
 
-vLLM builds its worker class from `worker_extension_cls` (a qualified name, because the worker may live in
-another process) and adds these methods to it. They run inside the worker, next to the model, so only a
-path or a few names cross the process boundary, never tensors. For the "broadcast" transport the worker itself is
-a member of learner rank 0's weight group (`weight_sync/broadcast.py`) and receives each tensor straight into its
-own memory (the GPU, with NCCL), feeding `reload_weights` one tensor at a time as it arrives.
+vLLM builds its worker class from `worker_extension_cls` (a qualified name, because the worker may live in another
+process), importing this module in the worker before it loads the model. Importing it registers our
+weight-transfer backend (`weight_sync/vllm_shm_engine.py`) with vLLM's factories in that process, which is what
+lets `LLM(weight_transfer_config={"backend": "async_rlhf_shm"})` build it there; the "shm" transport goes through
+vLLM's native `start_weight_update` / `update_weights` / `finish_weight_update` with it.
 
-Why `reload_weights` and not `model.load_weights`: after the first load, vLLM's CPU build post-processes
-some layers (the linear weights are repacked for its kernels and lose their `weight_loader`), so a second
-`model.load_weights` fails with `'Parameter' object has no attribute 'weight_loader'`. The worker's
-`reload_weights` runs vLLM's layerwise reload: it restores each layer's checkpoint-format parameters, loads
-the HF-named tensors (fusing q/k/v and gate/up as at start-up), re-runs the post-processing and copies the
-result into the tensors the kernels already point at. It works on CPU and GPU alike. Copying HF tensors straight
-into vLLM's parameters would not: on CPU the linear kernels keep their own repacked copy of each weight.
+The methods below are added to the worker class and called with `llm.collective_rpc`. They run inside the worker,
+next to the model, so only a few names cross the process boundary, never tensors. For the "broadcast" transport
+the worker itself is a member of learner rank 0's weight group (`weight_sync/broadcast.py`) and receives each
+tensor straight into its own memory (the GPU, with NCCL), feeding `reload_weights` one tensor at a time as it
+arrives. (Method names must not collide with the worker's own: vLLM asserts it, hence no `update_weights` here.)
 
-Cost (benchmarks/weight_load.py, 2 shared cores): a 100M-parameter fp32 model (416 MB) reloads in 0.25-0.45 s,
-1-1.7 GB/s against 4.5-11 GB/s for a bare `copy_` of the same bytes; the time goes to the layerwise
-re-processing, not to reading the file. Reading one tensor at a time (`iter_safetensors`) rather than `load_file`
-takes about the same time but never holds a second full copy of the state dict.
+Why vLLM's layerwise reload (`reload_weights`, and the engine's start/finish) and not `model.load_weights`:
+after the first load, vLLM's CPU build post-processes some layers (the linear weights are repacked for its kernels
+and lose their `weight_loader`), so a second `model.load_weights` fails with `'Parameter' object has no attribute
+'weight_loader'`. The layerwise reload restores each layer's checkpoint-format parameters, loads the HF-named
+tensors (fusing q/k/v and gate/up as at start-up), re-runs the post-processing and copies the result into the
+tensors the kernels already point at. It works on CPU and GPU alike. Copying HF tensors straight into vLLM's
+parameters would not: on CPU the linear kernels keep their own repacked copy of each weight. That reload, not
+reading the file, is where a CPU weight sync spends its time (`benchmarks/weight_broadcast.py`).
 """
 
 from __future__ import annotations
 
-import json
-import struct
 from collections.abc import Iterator
 
 import torch
 
-# safetensors dtype codes (https://github.com/huggingface/safetensors, "Format")
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
-           "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
-
-
-def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(name, tensor)` from a safetensors file, one tensor in memory at a time, in name order.
-
-    The format is an 8-byte little-endian header length, a JSON header ({name: dtype, shape, data_offsets}),
-    then the raw bytes; each tensor is read straight into a fresh buffer (on /dev/shm, one copy out of the page
-    cache). Not `safe_open(...).get_tensor`: safetensors 0.8 leaves two Python objects behind per tensor read,
-    so a generator reloading weights every step grew without bound (benchmarks/soak.py;
-    tests/unit/test_weight_file_reader.py measures it).
-    """
-    with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(size))
-        header.pop("__metadata__", None)
-        for name in sorted(header):
-            info = header[name]
-            begin, end = info["data_offsets"]
-            data = torch.empty(end - begin, dtype=torch.uint8)
-            f.seek(8 + size + begin)
-            if f.readinto(data.numpy()) != end - begin:
-                raise ValueError(f"{path}: tensor {name!r} is truncated")
-            yield name, data.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+from async_rlhf.weight_sync import vllm_shm_engine  # noqa: F401  (registers the "async_rlhf_shm" backend)
 
 
 class WeightSyncExtension:
     """Mixed into vLLM's worker class (so `self` is the worker: `self.reload_weights`, `self.model_runner`)."""
 
     _weight_group = None
-
-    def load_safetensors_weights(self, path: str) -> int:
-        """Load every tensor of the safetensors file at `path` (HF names) into the model. Returns the count."""
-        count = 0
-
-        def counted() -> Iterator[tuple[str, torch.Tensor]]:
-            nonlocal count
-            for name, tensor in iter_safetensors(path):
-                count += 1
-                yield name, tensor
-
-        self.reload_weights(weights_iterator=counted())  # type: ignore[attr-defined]
-        return count
 
     def join_weight_group(self, info: dict) -> None:
         """Become rank `info["rank"]` + this worker's rank in the engine of the learner's broadcast group."""

@@ -4,7 +4,9 @@
 learners can take part); a transport publishes them and returns the `WeightUpdate` message that tells a
 generator where to find them. Two transports implement `transport.WeightTransport`: `shm.py` (RAM-backed safetensors, for local
 generator processes) and `broadcast.py` (a torch.distributed group of its own, gloo on CPU and NCCL on GPU, for
-generator servers that may sit on other nodes).
+generator servers that may sit on other nodes). `safetensors_io.py` reads the shm files (copying, or mapped);
+`vllm_shm_engine.py` is the "async_rlhf_shm" backend of vLLM's own weight-transfer engine, which loads them into a
+vLLM generator (it imports vLLM, so nothing here imports it).
 """
 
 from async_rlhf.weight_sync.gather import gather_full_state

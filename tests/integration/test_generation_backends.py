@@ -1,5 +1,7 @@
 """The generator backends against the transformers forward pass: same greedy tokens, behaviour log-probs equal
-to log_softmax of the (tempered, top-k filtered) logits, weight swaps that take effect.
+to log_softmax of the (tempered, top-k filtered) logits, weight swaps that take effect (through vLLM's native
+weight-transfer calls with our "async_rlhf_shm" backend), carry our policy version as vLLM's weight version, and
+are refused before anything loads when their names are wrong.
 
 One vLLM engine serves the whole module: importing vLLM and starting it costs 20-50 s on a small CPU. It runs
 inside the pytest process (VLLMBackend's default), where on CPU it turns `torch.set_num_threads` into a no-op.
@@ -153,6 +155,7 @@ def test_load_weights_switches_policy(vllm_backend, hf_backend, tiny_model_dir, 
     try:
         vllm_backend.load_weights(update)
         hf_backend.load_weights(update)
+        assert vllm_backend.weight_version == "1"  # vLLM's own record is our policy version
         after = tokens(vllm_backend.generate(prompts, GREEDY))
         assert after != before
         assert after == tokens(hf_backend.generate(prompts, GREEDY))
@@ -163,6 +166,44 @@ def test_load_weights_switches_policy(vllm_backend, hf_backend, tiny_model_dir, 
         hf_backend.load_weights(original)
     assert tokens(vllm_backend.generate(prompts, GREEDY)) == before
     assert tokens(hf_backend.generate(prompts, GREEDY)) == before
+    assert vllm_backend.weight_version == "2"
+
+
+def test_vllm_weight_version_follows_every_update(vllm_backend, tiny_model_dir, new_weights):
+    """Through the native path (`LLM.start/update/finish_weight_update` with our backend) on every load."""
+    original = os.path.join(tiny_model_dir, "model.safetensors")
+    for version, path in [(11, new_weights[0]), (12, original), (13, original)]:
+        vllm_backend.load_weights(WeightUpdate(version=version, transport="shm", path=path))
+        assert vllm_backend.llm.get_weight_version() == str(version)
+
+
+def test_vllm_refuses_wrong_names_before_loading(vllm_backend, tiny_model_dir, new_weights, tmp_path):
+    """A file with a misnamed tensor is refused by the generator before vLLM's reload starts; and one that gets
+    past it (sent straight to the engine) is refused by the worker, which puts the old weights back."""
+    original = os.path.join(tiny_model_dir, "model.safetensors")
+    vllm_backend.load_weights(WeightUpdate(version=20, transport="shm", path=original))
+    before = tokens(vllm_backend.generate(PROMPTS, GREEDY))
+    state = new_weights[1].state_dict()
+    state["model.layers.0.mlp.up_proj.wrong"] = state.pop("model.layers.0.mlp.up_proj.weight")
+    wrong = str(tmp_path / "wrong.safetensors")
+    save_file(state, wrong)
+    with pytest.raises(ValueError, match="missing .'model.layers.0.mlp.up_proj.weight'., unexpected "
+                                         ".'model.layers.0.mlp.up_proj.wrong'."):
+        vllm_backend.load_weights(WeightUpdate(version=21, transport="shm", path=wrong))
+    assert vllm_backend.weight_version == "20"
+    assert tokens(vllm_backend.generate(PROMPTS, GREEDY)) == before
+
+    # The worker's own check, after start_weight_update has moved every layer to the meta device.
+    llm, state_names = vllm_backend.llm, new_weights[1].state_dict().keys()
+    llm.start_weight_update()
+    with pytest.raises(Exception, match="differs from its update"):
+        llm.update_weights({"update_info": {"path": wrong, "version": 22, "names": sorted(state_names)}})
+    assert tokens(vllm_backend.generate(PROMPTS, GREEDY)) == before  # nothing was loaded
+    vllm_backend.load_weights(WeightUpdate(version=23, transport="shm", path=new_weights[0]))  # and it still loads
+    assert vllm_backend.weight_version == "23"
+    assert tokens(vllm_backend.generate(PROMPTS, GREEDY)) != before
+    vllm_backend.load_weights(WeightUpdate(version=24, transport="shm", path=original))
+    assert tokens(vllm_backend.generate(PROMPTS, GREEDY)) == before
 
 
 def test_load_weights_rejects_bad_updates(vllm_backend, hf_backend, new_weights, tmp_path):
