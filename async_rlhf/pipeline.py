@@ -135,6 +135,11 @@ class RolloutPipeline:
             self.transport.close()
             self.transport = None
 
+    def begin_stop(self) -> None:
+        """The run is stopping (SIGINT/SIGTERM): the pool restarts no generator from now on. Signal-handler safe."""
+        if self.pool is not None:
+            self.pool.begin_stop()
+
     # ---- the step protocol -------------------------------------------------------------------------------
     def batch_for_step(self, step: int) -> RolloutBatch:
         """Batch `step` on every rank. A generator failure or a timeout on rank 0 is raised on every rank (the

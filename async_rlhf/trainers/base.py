@@ -283,10 +283,16 @@ class AsyncTrainerBase(Trainer):
 
     # ---- interruption and checkpoints ----------------------------------------------------------------------
     def _on_signal(self, signum, frame):
-        """First SIGTERM/SIGINT: finish the current step, checkpoint, stop. Second: stop now."""
+        """First SIGTERM/SIGINT: finish the current step, checkpoint, stop. Second: stop now.
+
+        Ctrl-C reaches the whole process group, generators included: they ignore it (`generation/worker.py`), and the
+        pool is told the run is stopping, so a generator that dies from now on is not restarted (no engine start on
+        the way out; the step fails with the usual checkpoint if it still needed that generator)."""
         if self._stop_signal:
             raise KeyboardInterrupt(f"received signal {signum} twice")
         self._stop_signal = signum
+        if self.pipeline is not None:
+            self.pipeline.begin_stop()
 
     def stop_requested(self) -> bool:
         flag = torch.tensor([float(self._stop_signal)], device=self.accelerator.device)
