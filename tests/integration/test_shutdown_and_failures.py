@@ -13,6 +13,7 @@ import pytest
 from transformers import TrainerCallback
 
 from async_rlhf import AsyncOnlineDPOTrainer
+from async_rlhf.checkpointing import latest_complete_checkpoint
 from async_rlhf.generation.pool_protocol import GeneratorFailed
 from async_rlhf.scoring import RewardError
 from async_rlhf.staleness_queue import StageTimeout
@@ -83,6 +84,42 @@ def test_sigterm_mid_run_exits_promptly_and_leaves_no_process(tmp_path):
     alive = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not alive, f"left alive: {[p.cmdline() for p in alive]}"
     assert proc.returncode != 0
+
+
+def test_ctrl_c_to_the_process_group_checkpoints_restarts_nothing_and_leaves_no_process(tmp_path):
+    # Ctrl-C in a terminal: SIGINT to every process of the foreground group, generators included. They ignore it;
+    # the trainer finishes the step, checkpoints and stops them (no restart on the way out). Long completions keep
+    # the learner waiting for rollouts most of the time, where a generator that died of the signal was restarted.
+    out = tmp_path / "run"
+    cmd = [sys.executable, os.path.join(ROOT, "recipes/online_dpo.py"), "--task", "toy", "--output_dir", str(out),
+           "--max_steps", "100000", "--generator_backend", "transformers", "--per_device_train_batch_size", "2",
+           "--max_new_tokens", "150", "--max_length", "200", "--max_staleness", "0", "--disable_tqdm", "true"]
+    log = tmp_path / "log.txt"
+    proc = start_logged(cmd, log, own_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (out / "metrics.jsonl").exists():
+            assert proc.poll() is None, log_tail(log)
+            assert time.monotonic() < deadline, "the run never logged a step\n" + log_tail(log)
+            time.sleep(0.5)
+        family = psutil.Process(proc.pid).children(recursive=True)
+        assert family, "expected a generator process"
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the run did not exit within 60 s of Ctrl-C\n" + log_tail(log))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    time.sleep(1.0)
+    alive = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"left alive: {[p.cmdline() for p in alive]}"
+    text = log_tail(log, 100_000)
+    assert "stopped by signal 2 after saving checkpoint-" in text, text[-4000:]
+    assert "restarting" not in text and "KeyboardInterrupt: \n" not in text, text[-4000:]
+    assert latest_complete_checkpoint(str(out)) is not None
 
 
 class _Inject(TrainerCallback):
