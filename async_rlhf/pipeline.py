@@ -21,6 +21,10 @@ sampled it.
 Generation therefore overlaps training by up to `max_staleness` steps and never more. The learner never waits
 for a weight *load*: FIFO inboxes guarantee a generator loads version v before it samples any batch dispatched
 after v was queued.
+
+A weight publish that fails on rank 0 (`OSError`: `shm_dir` full, ...) is kept and raised as `GeneratorFailed` by the
+next `batch_for_step`, so that every rank leaves the loop at the same step and the trainer saves its failure
+checkpoint (raising it at once on rank 0 alone would leave the other ranks waiting in a collective).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import logging
 import os
 import time
 
@@ -41,6 +46,8 @@ from async_rlhf.staleness_queue import StageTimeout, StalenessQueue
 from async_rlhf.types import GenerationRequest, RolloutBatch, SamplingSettings
 from async_rlhf.weight_sync import ShmWeightTransport, gather_full_state
 from async_rlhf.weight_sync.transport import WeightTransport
+
+logger = logging.getLogger(__name__)
 
 
 class RolloutPipeline:
@@ -71,6 +78,7 @@ class RolloutPipeline:
         self.loaded_versions: dict[int, int] = {}  # generator id -> last acknowledged version (kept after close)
         self.restarts = 0
         self._partial: dict[int, dict[int, RolloutBatch]] = {}  # batch id -> chunk -> rollouts (reader thread)
+        self._sync_failure: GeneratorFailed | None = None  # a failed publish, raised by the next batch_for_step
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     def start(self, initial_version: int = 0, pending: list[RolloutBatch] = (), counters: dict | None = None) -> None:
@@ -127,6 +135,11 @@ class RolloutPipeline:
             self.transport.close()
             self.transport = None
 
+    def begin_stop(self) -> None:
+        """The run is stopping (SIGINT/SIGTERM): the pool restarts no generator from now on. Signal-handler safe."""
+        if self.pool is not None:
+            self.pool.begin_stop()
+
     # ---- the step protocol -------------------------------------------------------------------------------
     def batch_for_step(self, step: int) -> RolloutBatch:
         """Batch `step` on every rank. A generator failure or a timeout on rank 0 is raised on every rank (the
@@ -136,6 +149,8 @@ class RolloutPipeline:
             self.total_steps = max(self.total_steps, step + 1)  # the Trainer may run past max_steps (resume)
             t0 = time.perf_counter()
             try:
+                if self._sync_failure is not None:
+                    raise self._sync_failure
                 while batch is None:
                     self._dispatch()
                     batch = self.queue.get(step, learner_version=step, timeout=self.args.rollout_timeout,
@@ -162,13 +177,21 @@ class RolloutPipeline:
             t0 = time.perf_counter()
             state = gather_full_state(model, self.is_main)
             t1 = time.perf_counter()
-            if self.is_main:
-                update = self.transport.publish(state, version)
-                self.pool.send_weights(update)
-                self.transport.release(self.pool.acks.min_loaded_version())
-                self.queued_version = version
-                self.sync_bytes += update.num_bytes
-                self.syncs += 1
+            if self.is_main and self._sync_failure is None:
+                try:
+                    update = self.transport.publish(state, version)
+                except OSError as exc:  # raised by the next batch_for_step, on every rank (module docstring)
+                    self._sync_failure = GeneratorFailed(
+                        f"weight sync: publishing weights v{version} failed ({type(exc).__name__}: {exc}); the "
+                        f"generators still sample with v{self.queued_version}. If shm_dir is full, free space there or "
+                        "point shm_dir at a larger RAM-backed directory.")
+                    logger.error("%s", self._sync_failure)
+                else:
+                    self.pool.send_weights(update)
+                    self.transport.release(self.pool.acks.min_loaded_version())
+                    self.queued_version = version
+                    self.sync_bytes += update.num_bytes
+                    self.syncs += 1
             self.timers["sync_gather"] += t1 - t0
             self.timers["sync_transfer"] += time.perf_counter() - t1
         if self.is_main:

@@ -9,21 +9,21 @@
 - `check_shm_space`: the shm weight transport has room for two copies of the policy's weights (checked before the
   policy loads, from the size of its files).
 - `initial_model_dir`: the directory every generator loads version 0 from: the policy's own directory when it has
-  one, else a RAM copy written by rank 0 (a collective: every rank must call it under ZeRO-3).
+  one, else a RAM copy written by rank 0 (a collective: every rank must call it under ZeRO-3). The copy is an
+  `OwnedDir` (`weight_sync/shm_dirs.py`): locked while the run lives, removed by `train()` at the end, and by the
+  next run in any container sharing `shm_dir` if this one is killed.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 
 import torch
 
 from async_rlhf.config import AsyncRLConfig, ConfigError
 from async_rlhf.weight_sync import gather_full_state
-
-INIT_PREFIX = "async_rlhf-init-"
+from async_rlhf.weight_sync.shm_dirs import INIT_PREFIX, OwnedDir, remove_orphaned_dirs
 
 
 def check_generator_devices(args: AsyncRLConfig) -> None:
@@ -82,13 +82,22 @@ def engine_kwargs(args: AsyncRLConfig, policy: torch.nn.Module) -> dict:
             "tensor_parallel_size": args.vllm_tensor_parallel_size}
 
 
-def initial_model_dir(source_path: str | None, model, tokenizer, accelerator, shm_dir: str) -> tuple[str, bool]:
-    """(directory, is_temporary): `source_path` if it holds a saved model, else a RAM copy of `model`'s weights."""
+def initial_model_dir(source_path: str | None, model, tokenizer, accelerator,
+                      shm_dir: str) -> tuple[str, OwnedDir | None]:
+    """(directory, copy): `source_path` and None if it holds a saved model, else a RAM copy of `model`'s weights made
+    on rank 0 (the caller closes it when the generators are gone). Other ranks get ("", None): only rank 0 starts
+    generators."""
     if source_path and os.path.isfile(os.path.join(source_path, "config.json")):
-        return source_path, False
-    path = tempfile.mkdtemp(prefix=INIT_PREFIX, dir=shm_dir)
+        return source_path, None
     state = gather_full_state(model, accelerator.is_main_process)  # collective under ZeRO-3
-    if accelerator.is_main_process:
-        accelerator.unwrap_model(model).save_pretrained(path, state_dict=state)
-        tokenizer.save_pretrained(path)
-    return path, True
+    if not accelerator.is_main_process:
+        return "", None
+    remove_orphaned_dirs(shm_dir)
+    copy = OwnedDir(shm_dir, INIT_PREFIX)
+    try:
+        accelerator.unwrap_model(model).save_pretrained(copy.path, state_dict=state)
+        tokenizer.save_pretrained(copy.path)
+    except BaseException:
+        copy.close()
+        raise
+    return copy.path, copy

@@ -12,13 +12,21 @@ Guarantees:
   `check` raises `GeneratorFailed` naming the generator and its last error;
 * `check` raises `StageTimeout` if a generator has not acknowledged a weight update within `weight_sync_timeout`
   (`AckTracker`, shared with the remote pool), or a restarted engine is not up within `start_timeout`;
-* `close` always leaves no generator process alive: Shutdown, then terminate, then kill, each bounded in time.
+* once `begin_stop` was called (the trainer got SIGINT/SIGTERM) no generator is restarted: `check` raises
+  `GeneratorFailed` for one that died instead of starting another engine on the way out;
+* `close` always leaves no generator process alive: Shutdown, then SIGKILL (generators ignore SIGTERM and SIGINT, see
+  `worker.py`), each bounded in time. A pool never closed (its owner left by an unexpected path) kills its generators
+  when it is garbage-collected or at interpreter exit, before `multiprocessing` would join them forever.
+
+Processes are started from the main thread only (`start`, and `check` which restarts): a generator's parent-death
+signal is tied to the thread that spawned it.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import multiprocessing.util
 import queue
 import threading
 import time
@@ -55,9 +63,12 @@ class GeneratorPool:
         self._starting: dict[int, float] = {}  # generator -> time a restart was spawned (until Ready)
         self._errors: dict[int, str] = {}  # generator -> last error reported
         self._lock = threading.Lock()
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # close() began: the reader stops
+        self._stopping = threading.Event()  # begin_stop() or close() was called: no more restarts
         self._reader: threading.Thread | None = None
         self.start_seconds = 0.0
+        # runs before multiprocessing's exit handler terminates (SIGTERM, ignored) and joins daemonic children
+        self._kill_at_exit = multiprocessing.util.Finalize(self, _kill_all, args=(self.processes,), exitpriority=10)
 
     def _process(self, spec: GeneratorSpec, inbox):
         return self._ctx.Process(target=generator_main, args=(spec, inbox, self.outbox), daemon=True,
@@ -92,7 +103,12 @@ class GeneratorPool:
         self._reader = threading.Thread(target=self._read, name="async_rlhf-rollout-reader", daemon=True)
         self._reader.start()
 
+    def begin_stop(self) -> None:
+        """The run is stopping: restart no generator from now on (sets a flag only, so safe in a signal handler)."""
+        self._stopping.set()
+
     def close(self, timeout: float = 20.0) -> None:
+        self._stopping.set()
         self._stop.set()
         for inbox, p in zip(self.inboxes, self.processes):
             if p.is_alive():
@@ -108,6 +124,7 @@ class GeneratorPool:
         for q in [*self.inboxes, self.outbox]:
             q.cancel_join_thread()  # never block interpreter exit on unflushed queue data
             q.close()
+        self._kill_at_exit()  # nothing left to kill: only drops the exit hook
 
     # ---- messages --------------------------------------------------------------------------------------
     def send_weights(self, update: WeightUpdate) -> None:
@@ -134,8 +151,13 @@ class GeneratorPool:
                 raise StageTimeout(f"generator start: restarted generator {gid} not ready within "
                                    f"{self.start_timeout:.0f}s")
         for i, (spec, p) in enumerate(zip(self.specs, self.processes)):
-            if p.exitcode is not None and not self._stop.is_set():
-                self._restart(i, f"exited with code {p.exitcode}")
+            if p.exitcode is None:
+                continue
+            if self._stopping.is_set():
+                raise GeneratorFailed(f"generator {spec.generator_id} ({spec.device}) exited with code {p.exitcode} "
+                                      f"while the run was stopping; not restarted. Last error:\n"
+                                      f"{self._errors.get(spec.generator_id) or '(none reported)'}{_see_log(spec)}")
+            self._restart(i, f"exited with code {p.exitcode}")
 
     def _restart(self, i: int, reason: str) -> None:
         spec = self.specs[i]
@@ -197,12 +219,17 @@ def _see_log(spec: GeneratorSpec) -> str:
 
 
 def _stop_process(p, timeout: float) -> None:
+    """Wait up to `timeout` for `p` to exit, then SIGKILL it (a generator ignores SIGTERM)."""
     if p.pid is None:
         return
     p.join(timeout)
     if p.is_alive():
-        p.terminate()
-        p.join(5.0)
-    if p.is_alive():
         p.kill()
         p.join(5.0)
+
+
+def _kill_all(processes: list) -> None:
+    for p in processes:
+        if p.pid is not None and p.exitcode is None:
+            p.kill()
+            p.join(5.0)

@@ -12,6 +12,7 @@ Guarantees every pool gives the pipeline:
 * `start` returns once every generator is up, or raises within the start timeout naming the generator;
 * `check` raises `GeneratorFailed` when a generator failed for good, and `StageTimeout` when a generator has not
   acknowledged a weight update within `weight_sync_timeout` (the `AckTracker` below, the same rule for both);
+* after `begin_stop` (the run is stopping: SIGINT/SIGTERM), no generator is restarted;
 * `close` is bounded in time and leaves nothing running that the pool started.
 """
 
@@ -42,6 +43,8 @@ class GeneratorPoolProtocol(Protocol):
     def send_weights(self, update: WeightUpdate) -> None: ...
 
     def check(self) -> None: ...
+
+    def begin_stop(self) -> None: ...
 
     def close(self, timeout: float = 20.0) -> None: ...
 

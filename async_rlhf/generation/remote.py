@@ -266,6 +266,9 @@ class RemoteGeneratorPool:
             self.connections[generator_id].send(wire.encode_request(request))
 
     # ---- health --------------------------------------------------------------------------------------
+    def begin_stop(self) -> None:
+        """Nothing to do: remote servers are never restarted by the trainer."""
+
     def check(self) -> None:
         """Raise if a server failed or a weight update is overdue. Main thread only."""
         with self._lock:

@@ -6,17 +6,36 @@ order is what lets the learner's admission control bound staleness without locks
 the version of the weights loaded when it was sampled.
 
 Its output goes to `spec.log_path`, with only real problems on the console (`process_log.py`).
-The process exits on `Shutdown`, on any error (after reporting a `GeneratorError`), or when its parent dies
-(checked every second), so it can never be orphaned.
+
+How it ends, always (it must never outlive learner rank 0 and hold its engine and device memory forever):
+* on `Shutdown` or on any error (after reporting a `GeneratorError`) it closes its engine and leaves with
+  `os._exit`: 0 after `Shutdown`, 1 after an error. A plain return would make Python join the outbox's feeder
+  thread at exit, which blocks for good when a large rollout is still queued and nobody reads the pipe any more (the
+  learner stops reading before it sends `Shutdown`). Only an error report is flushed first, for at most
+  `FLUSH_SECONDS` (the learner reads it while it runs);
+* when its parent dies: on Linux the kernel SIGKILLs it (`prctl(PR_SET_PDEATHSIG)`, set first thing, so also while
+  the engine starts or samples; the parent is the thread that spawned it, which `pool.py` keeps to the main thread).
+  SIGKILL, because nothing else is sure to end it; the engine is not closed then, its memory (device memory
+  included) is freed with the process. Elsewhere it notices within a second while idle and leaves as after
+  `Shutdown`;
+* it ignores SIGINT and SIGTERM: Ctrl-C and `kill -TERM -<group>` reach the whole process group, and the learner,
+  which handles them (checkpoint, then stop), stops its generators itself. `pool.py` escalates to SIGKILL.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
+import signal
+import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
+
+FLUSH_SECONDS = 10.0  # the most an exiting generator waits for its error report to reach the learner
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 @dataclass(frozen=True)
@@ -44,12 +63,66 @@ def _restrict_device(device: str, threads: int) -> str:
     return "cpu"
 
 
+def _die_with_parent(parent) -> None:
+    """Linux: have the kernel SIGKILL this process when the thread that spawned it exits, however it exits."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):  # no prctl: the idle check in `_serve` still notices the parent's death
+        return
+    if os.getppid() != parent.pid:  # the parent died before the signal was armed
+        os._exit(0)
+
+
+def _leave(outbox, code: int, deliver: bool) -> None:
+    """Exit now, without joining the outbox's feeder thread; if `deliver`, first give what is queued (an error
+    report) at most FLUSH_SECONDS to reach the parent."""
+    if deliver:
+        def flush():
+            outbox.close()
+            outbox.join_thread()
+
+        flusher = threading.Thread(target=flush, daemon=True)
+        flusher.start()
+        flusher.join(FLUSH_SECONDS)
+    outbox.cancel_join_thread()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    logging.shutdown()
+    os._exit(code)
+
+
 def generator_main(spec: GeneratorSpec, inbox, outbox) -> None:
+    """The process's entry point. In a spawned process it never returns (see the module docstring); called in the
+    process that owns the queues (tests), it returns like any function and touches no signal."""
     from multiprocessing import parent_process
 
+    parent = parent_process()
+    if parent is not None:
+        _die_with_parent(parent)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
     from async_rlhf.generation.process_log import route_output
 
     route_output(spec.log_path, f"generator-{spec.generator_id}")  # before torch and vLLM are imported
+    ok = _serve(spec, inbox, outbox)
+    if parent is not None:
+        _leave(outbox, 0 if ok else 1, deliver=not ok and parent.is_alive())
+
+
+def _serve(spec: GeneratorSpec, inbox, outbox) -> bool:
+    """Serve the inbox until `Shutdown` or the parent's death (True) or an error, reported on `outbox` (False). The
+    engine is closed before it returns."""
+    from multiprocessing import parent_process
+
     from async_rlhf.types import GenerationRequest, GeneratorError, GeneratorReady, RolloutBatch, WeightAck
 
     device = _restrict_device(spec.device, spec.threads)
@@ -71,10 +144,10 @@ def generator_main(spec: GeneratorSpec, inbox, outbox) -> None:
                 msg = inbox.get(timeout=1.0)
             except queue.Empty:
                 if parent is not None and not parent.is_alive():
-                    return
+                    return True
                 continue
             if msg.kind == "shutdown":
-                return
+                return True
             if msg.kind == "weights":
                 t0 = time.perf_counter()
                 backend.load_weights(msg)
@@ -101,6 +174,7 @@ def generator_main(spec: GeneratorSpec, inbox, outbox) -> None:
                 raise ValueError(f"generator {spec.generator_id}: unknown message kind {msg.kind!r}")
     except BaseException as exc:  # report, then exit: the pool turns this into an error on the learner
         outbox.put(GeneratorError(spec.generator_id, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        return False
     finally:
         if backend is not None:
             try:

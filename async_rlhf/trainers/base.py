@@ -15,7 +15,6 @@ import collections
 import json
 import math
 import os
-import shutil
 import signal
 import tempfile
 import time
@@ -242,10 +241,10 @@ class AsyncTrainerBase(Trainer):
         if checkpoint is not None:  # validated before any generator starts
             checkpointing.check_resume_is_safe(checkpoint, unpickles=self.is_deepspeed_enabled)
             restored = checkpointing.load_pipeline_state(checkpoint, self._identity())
-            model_dir, is_temp = checkpoint, False  # generators start from the checkpoint's weights
+            model_dir, init_copy = checkpoint, None  # generators start from the checkpoint's weights
         else:
-            model_dir, is_temp = initial_model_dir(self._source_model_path, self.model, self.processing_class,
-                                                   self.accelerator, self.args.shm_dir)
+            model_dir, init_copy = initial_model_dir(self._source_model_path, self.model, self.processing_class,
+                                                     self.accelerator, self.args.shm_dir)
         self.pipeline = RolloutPipeline(self.args, self.prompt_token_ids, model_dir, self.accelerator,
                                         self._total_steps(), self.sampling_settings(),
                                         engine_kwargs(self.args, self.model))
@@ -267,8 +266,8 @@ class AsyncTrainerBase(Trainer):
             self.pipeline.close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-            if is_temp and self.accelerator.is_main_process:
-                shutil.rmtree(model_dir, ignore_errors=True)
+            if init_copy is not None:  # rank 0's RAM copy of the initial weights
+                init_copy.close()
         if self._stop_signal:
             raise KeyboardInterrupt(f"stopped by signal {self._stop_signal} after saving checkpoint-"
                                     f"{self.state.global_step} in {self.args.output_dir}")
@@ -284,10 +283,16 @@ class AsyncTrainerBase(Trainer):
 
     # ---- interruption and checkpoints ----------------------------------------------------------------------
     def _on_signal(self, signum, frame):
-        """First SIGTERM/SIGINT: finish the current step, checkpoint, stop. Second: stop now."""
+        """First SIGTERM/SIGINT: finish the current step, checkpoint, stop. Second: stop now.
+
+        Ctrl-C reaches the whole process group, generators included: they ignore it (`generation/worker.py`), and the
+        pool is told the run is stopping, so a generator that dies from now on is not restarted (no engine start on
+        the way out; the step fails with the usual checkpoint if it still needed that generator)."""
         if self._stop_signal:
             raise KeyboardInterrupt(f"received signal {signum} twice")
         self._stop_signal = signum
+        if self.pipeline is not None:
+            self.pipeline.begin_stop()
 
     def stop_requested(self) -> bool:
         flag = torch.tensor([float(self._stop_signal)], device=self.accelerator.device)

@@ -2,51 +2,31 @@
 
 Never the disk, never a pickle on a pipe. The file is written under a temporary name and renamed, so a
 generator can never read a half-written version. Files of versions that every generator has acknowledged
-(and that are no longer the newest) are deleted by `release`; `close` removes the directory. A run killed with
-SIGKILL cannot clean up, so the directory name carries the owner's pid and the next transport created on the
-machine removes directories whose owner is gone.
+(and that are no longer the newest) are deleted by `release`; `close` removes the directory. The directory is an
+`OwnedDir` (`shm_dirs.py`): locked for the transport's lifetime, so a run killed with SIGKILL leaves one that the
+next transport (or init copy) created in any container sharing this `shm_dir` removes, and a live run's never is.
+
+`publish` refuses to start a file that would not fit (RAM-backed directories that fill up also starve every other
+user of /dev/shm, NCCL and vLLM included) and removes a partial one; either way it raises `OSError`, which the
+pipeline turns into the run's failure path (`RolloutPipeline.after_optimizer_step`).
 """
 
 from __future__ import annotations
 
-import logging
+import errno
 import os
-import re
 import shutil
-import tempfile
 
 import torch
 from safetensors.torch import save_file
 
 from async_rlhf.types import WeightUpdate
+from async_rlhf.weight_sync.shm_dirs import WEIGHTS_PREFIX, OwnedDir, remove_orphaned_dirs
 
-logger = logging.getLogger(__name__)
-PREFIX = "async_rlhf-weights-"
-_OWNED = re.compile(re.escape(PREFIX) + r"pid(\d+)-")
+PREFIX = WEIGHTS_PREFIX
+SPACE_MARGIN = 1 << 20  # bytes left free beyond the file (safetensors header and rounding)
 
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
-
-
-def remove_orphaned_dirs(shm_dir: str) -> list[str]:
-    """Remove weight directories left in `shm_dir` by runs whose process no longer exists; returns their paths."""
-    removed = []
-    for name in os.listdir(shm_dir):
-        match = _OWNED.match(name)
-        if match and not _pid_alive(int(match.group(1))):
-            path = os.path.join(shm_dir, name)
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    if removed:
-        logger.info("removed %d weight directories left by killed runs: %s", len(removed), removed)
-    return removed
+__all__ = ["ShmWeightTransport", "remove_orphaned_dirs"]
 
 
 class ShmWeightTransport:
@@ -58,15 +38,25 @@ class ShmWeightTransport:
         if not os.path.isdir(shm_dir):
             raise FileNotFoundError(f"shm_dir: {shm_dir!r} does not exist (set shm_dir to a RAM-backed directory)")
         remove_orphaned_dirs(shm_dir)
-        self.dir = tempfile.mkdtemp(prefix=f"{PREFIX}pid{os.getpid()}-", dir=shm_dir)
+        self._owned = OwnedDir(shm_dir, PREFIX)
+        self.dir = self._owned.path
 
     def publish(self, state: dict[str, torch.Tensor], version: int) -> WeightUpdate:
         path = os.path.join(self.dir, f"policy-v{version}.safetensors")
         tmp = path + ".tmp"
         contiguous = {k: v.contiguous() for k, v in state.items()}
-        save_file(contiguous, tmp)
-        os.replace(tmp, path)
         num_bytes = sum(v.numel() * v.element_size() for v in contiguous.values())
+        free = shutil.disk_usage(self.dir).free
+        if num_bytes + SPACE_MARGIN > free:
+            raise OSError(errno.ENOSPC, f"weights v{version} need {num_bytes / 2**30:.2f} GiB and {self.dir} has "
+                                        f"{free / 2**30:.2f} GiB free", self.dir)
+        try:
+            save_file(contiguous, tmp)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
         return WeightUpdate(version=version, transport="shm", path=path, names=list(contiguous), num_bytes=num_bytes)
 
     def release(self, version: int) -> None:
@@ -81,4 +71,4 @@ class ShmWeightTransport:
         return {}  # the write is on the learner's path: the pipeline's sync/transfer_seconds is its time
 
     def close(self) -> None:
-        shutil.rmtree(self.dir, ignore_errors=True)
+        self._owned.close()

@@ -13,6 +13,7 @@ import pytest
 from transformers import TrainerCallback
 
 from async_rlhf import AsyncOnlineDPOTrainer
+from async_rlhf.checkpointing import latest_complete_checkpoint
 from async_rlhf.generation.pool_protocol import GeneratorFailed
 from async_rlhf.scoring import RewardError
 from async_rlhf.staleness_queue import StageTimeout
@@ -85,6 +86,42 @@ def test_sigterm_mid_run_exits_promptly_and_leaves_no_process(tmp_path):
     assert proc.returncode != 0
 
 
+def test_ctrl_c_to_the_process_group_checkpoints_restarts_nothing_and_leaves_no_process(tmp_path):
+    # Ctrl-C in a terminal: SIGINT to every process of the foreground group, generators included. They ignore it;
+    # the trainer finishes the step, checkpoints and stops them (no restart on the way out). Long completions keep
+    # the learner waiting for rollouts most of the time, where a generator that died of the signal was restarted.
+    out = tmp_path / "run"
+    cmd = [sys.executable, os.path.join(ROOT, "recipes/online_dpo.py"), "--task", "toy", "--output_dir", str(out),
+           "--max_steps", "100000", "--generator_backend", "transformers", "--per_device_train_batch_size", "2",
+           "--max_new_tokens", "150", "--max_length", "200", "--max_staleness", "0", "--disable_tqdm", "true"]
+    log = tmp_path / "log.txt"
+    proc = start_logged(cmd, log, own_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (out / "metrics.jsonl").exists():
+            assert proc.poll() is None, log_tail(log)
+            assert time.monotonic() < deadline, "the run never logged a step\n" + log_tail(log)
+            time.sleep(0.5)
+        family = psutil.Process(proc.pid).children(recursive=True)
+        assert family, "expected a generator process"
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the run did not exit within 60 s of Ctrl-C\n" + log_tail(log))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    time.sleep(1.0)
+    alive = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"left alive: {[p.cmdline() for p in alive]}"
+    text = log_tail(log, 100_000)
+    assert "stopped by signal 2 after saving checkpoint-" in text, text[-4000:]
+    assert "restarting" not in text and "KeyboardInterrupt: \n" not in text, text[-4000:]
+    assert latest_complete_checkpoint(str(out)) is not None
+
+
 class _Inject(TrainerCallback):
     """Does something to generator 0's process after a given optimizer step (a real failure, not a mock)."""
 
@@ -131,3 +168,28 @@ def test_stalled_weight_transfer_fails_within_the_sync_timeout(tmp_path, tiny_mo
         trainer.train()
     assert time.monotonic() - t0 < 60
     assert not generator_processes()
+
+
+def test_a_policy_without_a_directory_leaves_nothing_in_shm_dir(tmp_path, tiny_model_dir, tiny_run_config):
+    # an in-memory policy: rank 0 writes the generators' initial copy (async_rlhf-init-*) next to the weight files;
+    # both are locked while the run lives (a clean-up by another run leaves them) and removed when train() ends
+    from transformers import AutoModelForCausalLM
+
+    from async_rlhf.weight_sync.shm_dirs import remove_orphaned_dirs
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    seen = []
+
+    class _Look(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            seen.append((sorted(os.listdir(shm)), remove_orphaned_dirs(str(shm))))
+
+    args = tiny_run_config(tmp_path / "out", max_steps=2, shm_dir=str(shm))
+    trainer = AsyncOnlineDPOTrainer(AutoModelForCausalLM.from_pretrained(tiny_model_dir), reward_funcs=lowercase_reward,
+                                    args=args, train_dataset=toy_prompts(16))
+    trainer.add_callback(_Look())
+    trainer.train()
+    names, removed = seen[0]
+    assert [n.split("-")[1] for n in names] == ["init", "weights"] and removed == [], seen
+    assert os.listdir(shm) == []

@@ -1,0 +1,114 @@
+"""How a generator process ends: never orphaned, never held up by an unread rollout, never by Ctrl-C (issue 23).
+
+Each test spawns one real generator (`generator_main`, transformers backend, tiny model: a few seconds to start)
+and gives it a rollout of more than a megabyte that nobody reads, the case where Python's exit used to block on
+the outbox's feeder thread for good.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from generator_parent import request, start_generator, wait_until_rollout_is_sent
+from session_run import ROOT, log_tail, start_logged
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _gone_within(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_generator_dies_with_its_parent_despite_an_unread_big_rollout(tmp_path, tiny_model_dir):
+    # the parent stands in for learner rank 0: it spawns the generator, has it send a 1.2 MiB rollout it never reads
+    # (generator_parent.py), and is then SIGKILLed
+    log = tmp_path / "parent.log"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    parent = start_logged([sys.executable, os.path.join(ROOT, "tests/integration/generator_parent.py"),
+                           tiny_model_dir, str(tmp_path)], log, env=env)
+    pid_file = tmp_path / "generator.pid"
+    generator_pid = None
+    try:
+        deadline = time.monotonic() + 180
+        while not pid_file.exists():
+            assert parent.poll() is None, log_tail(log)
+            assert time.monotonic() < deadline, "the generator never answered\n" + log_tail(log)
+            time.sleep(0.2)
+        generator_pid = int(pid_file.read_text())
+        assert _alive(generator_pid)
+        parent.kill()
+        parent.wait()
+        assert _gone_within(generator_pid, 5.0), "the generator outlived its SIGKILLed parent by 5 s"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        if generator_pid is not None and _alive(generator_pid):
+            os.kill(generator_pid, signal.SIGKILL)
+
+
+def test_generator_exits_on_shutdown_while_its_big_rollout_is_unread(tmp_path, tiny_model_dir):
+    # the pool stops reading the outbox before it sends Shutdown: the generator must not wait for a reader
+    process, inbox, outbox = start_generator(tiny_model_dir, str(tmp_path))
+    try:
+        inbox.put(request(0, big=True))
+        wait_until_rollout_is_sent(outbox)
+        inbox.put(request(1, big=True))  # a second one, queued behind the first in the generator's feeder thread
+        from async_rlhf.types import Shutdown
+
+        inbox.put(Shutdown())
+        process.join(10.0)
+        assert process.exitcode == 0, f"exit code {process.exitcode} 10 s after Shutdown (None: still running)"
+    finally:
+        if process.exitcode is None:
+            process.kill()
+            process.join(5.0)
+        for q in (inbox, outbox):
+            q.cancel_join_thread()
+            q.close()
+
+
+def test_generator_ignores_sigint_and_sigterm_and_keeps_serving(tmp_path, tiny_model_dir):
+    # Ctrl-C (and `kill -TERM -<group>`) reach every process of the group: the learner decides when its generators
+    # stop (Shutdown), so a generator that took the signal as an error would be restarted during a graceful stop
+    process, inbox, outbox = start_generator(tiny_model_dir, str(tmp_path))
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            os.kill(process.pid, sig)
+            process.join(2.5)  # idle in inbox.get, a generator that took SIGINT as an error was gone in 0.9 s
+            assert process.is_alive(), f"{sig.name}: the generator exited with code {process.exitcode}"
+        inbox.put(request(7, big=False))
+        answer = outbox.get(timeout=60)
+        assert answer.kind == "rollouts" and answer.batch_id == 7, answer
+        assert process.is_alive()
+    finally:
+        if process.exitcode is None:
+            process.kill()
+            process.join(5.0)
+        for q in (inbox, outbox):
+            q.cancel_join_thread()
+            q.close()
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_children():
+    yield
+    for child in psutil.Process().children(recursive=True):
+        if "generator_parent" in " ".join(child.cmdline()):
+            child.kill()
