@@ -45,7 +45,7 @@ from async_rlhf.prompt_stream import PromptStream
 from async_rlhf.staleness_queue import StageTimeout, StalenessQueue
 from async_rlhf.types import GenerationRequest, RolloutBatch, SamplingSettings
 from async_rlhf.weight_sync import ShmWeightTransport, gather_full_state
-from async_rlhf.weight_sync.transport import WeightTransport
+from async_rlhf.weight_sync.transport import WeightTransport, WeightTransportError
 
 logger = logging.getLogger(__name__)
 
@@ -180,11 +180,8 @@ class RolloutPipeline:
             if self.is_main and self._sync_failure is None:
                 try:
                     update = self.transport.publish(state, version)
-                except OSError as exc:  # raised by the next batch_for_step, on every rank (module docstring)
-                    self._sync_failure = GeneratorFailed(
-                        f"weight sync: publishing weights v{version} failed ({type(exc).__name__}: {exc}); the "
-                        f"generators still sample with v{self.queued_version}. If shm_dir is full, free space there or "
-                        "point shm_dir at a larger RAM-backed directory.")
+                except (OSError, WeightTransportError) as exc:  # raised by the next batch_for_step, on every rank
+                    self._sync_failure = self._publish_failure(version, exc)
                     logger.error("%s", self._sync_failure)
                 else:
                     self.pool.send_weights(update)
@@ -196,6 +193,18 @@ class RolloutPipeline:
             self.timers["sync_transfer"] += time.perf_counter() - t1
         if self.is_main:
             self._dispatch()
+
+    def _publish_failure(self, version: int, exc: Exception) -> Exception:
+        """The failure a publish error becomes: the pool's own account when it has one (a broadcast fails when a
+        generator server died: the pool names the server), else the transport's error."""
+        try:
+            self.pool.check()
+        except (GeneratorFailed, StageTimeout) as failure:
+            return failure
+        return GeneratorFailed(
+            f"weight sync: publishing weights v{version} failed ({type(exc).__name__}: {exc}); the generators still "
+            f"sample with v{self.queued_version}. If shm_dir is full, free space there or point shm_dir at a larger "
+            "RAM-backed directory.")
 
     # ---- dispatch ----------------------------------------------------------------------------------------
     def _dispatch(self) -> None:

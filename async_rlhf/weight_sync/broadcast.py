@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from async_rlhf.types import WeightUpdate
+from async_rlhf.weight_sync.transport import WeightTransportError
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ DTYPES = {name: getattr(torch, name) for name in (
     "float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")}
 
 
-class WeightBroadcastError(RuntimeError):
+class WeightBroadcastError(WeightTransportError):
     """The weight broadcast failed or timed out; the message names the stage and version."""
 
 

@@ -2,7 +2,8 @@
 
 `publish(state, version)` takes the gathered full state dict (CPU tensors nobody else mutates) and returns the
 `WeightUpdate` message that tells a generator where to find it; the pool sends that message in FIFO order with
-the generation requests. `release(version)` says every generator has loaded `version` or newer, so anything older
+the generation requests. It raises `OSError` or `WeightTransportError` when the version cannot be delivered (the
+pipeline turns either into the run's failure path). `release(version)` says every generator has loaded `version` or newer, so anything older
 may be freed. `stats()` gives the transport's own metrics (stage-named, e.g. `sync/broadcast_seconds`); `close()`
 frees everything the transport holds and is idempotent.
 
@@ -17,6 +18,10 @@ from typing import Protocol
 import torch
 
 from async_rlhf.types import WeightUpdate
+
+
+class WeightTransportError(RuntimeError):
+    """A transport could not deliver a version (besides `OSError`s such as a full `shm_dir`); names the stage."""
 
 
 class WeightTransport(Protocol):
