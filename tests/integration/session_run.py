@@ -26,6 +26,15 @@ def log_tail(log_path, chars: int = 4000) -> str:
         return f.read()[-chars:]
 
 
+def wait_for(condition, timeout: float, proc: subprocess.Popen, log, what: str) -> None:
+    """Poll `condition()` until it holds; fail with the log's tail if the run ends first or `timeout` passes."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, f"the run ended before {what}:\n{log_tail(log)}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{log_tail(log)}"
+        time.sleep(0.2)
+
+
 def run_in_own_session(cmd: list[str], timeout: float, log_tail: int = 6000) -> str:
     """Run `cmd` from the repository root with WANDB off; return its output. Fails with the log's tail on a
     non-zero exit, on timeout (the whole session is killed), and when a process of the session outlives it."""

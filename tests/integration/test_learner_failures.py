@@ -26,7 +26,7 @@ from async_rlhf.checkpointing import COMPLETE_MARKER, CheckpointError, latest_co
 from async_rlhf.generation.pool_protocol import GeneratorFailed
 from async_rlhf.prompt_stream import PromptStream
 from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
-from session_run import ROOT, log_tail, start_logged
+from session_run import ROOT, start_logged, wait_for
 FAULT_RUN = os.path.join(ROOT, "tests/integration/fault_run.py")
 ENV = {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
@@ -40,14 +40,6 @@ def session_processes(sid: int) -> list[str]:
         except (ProcessLookupError, PermissionError, psutil.NoSuchProcess):
             pass
     return out
-
-
-def wait_for(condition, timeout: float, proc: subprocess.Popen, log, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert proc.poll() is None, f"the run ended before {what}:\n{log_tail(log)}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{log_tail(log)}"
-        time.sleep(0.2)
 
 
 def trained_steps(out) -> int:

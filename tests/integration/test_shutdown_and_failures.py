@@ -19,7 +19,7 @@ from async_rlhf.scoring import RewardError
 from async_rlhf.staleness_queue import StageTimeout
 from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
 from run_records import check_staleness_records
-from session_run import ROOT, log_tail, start_logged
+from session_run import ROOT, log_tail, start_logged, wait_for
 
 
 def generator_processes() -> list[psutil.Process]:
@@ -65,11 +65,7 @@ def test_sigterm_mid_run_exits_promptly_and_leaves_no_process(tmp_path):
     log = tmp_path / "log.txt"
     proc = start_logged(cmd, log)
     try:
-        deadline = time.monotonic() + 180
-        while not (out / "metrics.jsonl").exists():
-            assert proc.poll() is None, log_tail(log)
-            assert time.monotonic() < deadline, "the run never logged a step\n" + log_tail(log)
-            time.sleep(0.5)
+        wait_for(lambda: (out / "metrics.jsonl").exists(), 180, proc, log, "the first logged step")
         family = psutil.Process(proc.pid).children(recursive=True)
         assert family, "expected a generator process"
         proc.send_signal(signal.SIGTERM)
@@ -97,11 +93,7 @@ def test_ctrl_c_to_the_process_group_checkpoints_restarts_nothing_and_leaves_no_
     log = tmp_path / "log.txt"
     proc = start_logged(cmd, log, own_session=True)
     try:
-        deadline = time.monotonic() + 180
-        while not (out / "metrics.jsonl").exists():
-            assert proc.poll() is None, log_tail(log)
-            assert time.monotonic() < deadline, "the run never logged a step\n" + log_tail(log)
-            time.sleep(0.5)
+        wait_for(lambda: (out / "metrics.jsonl").exists(), 180, proc, log, "the first logged step")
         family = psutil.Process(proc.pid).children(recursive=True)
         assert family, "expected a generator process"
         os.killpg(proc.pid, signal.SIGINT)

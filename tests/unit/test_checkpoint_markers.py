@@ -4,7 +4,6 @@ others could have written into is refused where resuming unpickles (DeepSpeed)."
 
 from __future__ import annotations
 
-import logging
 import os
 
 import pytest

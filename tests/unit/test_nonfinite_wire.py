@@ -4,7 +4,6 @@ on rank 0 naming its generator."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import socket

@@ -1,7 +1,6 @@
 import math
 
 import pytest
-import torch
 
 from async_rlhf.logprobs import pack_sequences
 from async_rlhf.scoring import RewardError, RewardScorer, best_and_worst, score_rows
