@@ -74,34 +74,61 @@ def start(cmd: list[str], log_path: str) -> subprocess.Popen:
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def session_processes(sid: int) -> list[str]:
+def session_processes(sids: set[int]) -> list[str]:
     found = []
     for p in psutil.process_iter(["pid", "cmdline"]):
         try:
-            if os.getsid(p.pid) == sid and p.status() != psutil.STATUS_ZOMBIE:
+            if os.getsid(p.pid) in sids and p.status() != psutil.STATUS_ZOMBIE:
                 found.append(f"{p.pid} " + " ".join(p.info["cmdline"] or [])[:160])
         except (ProcessLookupError, PermissionError, psutil.NoSuchProcess):
             pass
     return found
 
 
-def wait_gone(sid: int, seconds: float = 20.0) -> list[str]:
-    """Processes of session `sid` still alive after `seconds` (orphaned generators notice rank 0's death in a second
-    or two; shutdown escalates to SIGKILL after 25 s at most)."""
+def launch_sessions(proc: subprocess.Popen, sids: set[int]) -> set[int]:
+    """Add to `sids` the sessions of the launch and of every process under it. Not the launch's session alone:
+    torch elastic (`accelerate launch`) starts each learner rank in a session of its own, and the rank's generators
+    live in the rank's session."""
+    sids.add(proc.pid)
+    try:
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            try:
+                sids.add(os.getsid(child.pid))
+            except (ProcessLookupError, PermissionError):
+                pass
+    except psutil.NoSuchProcess:
+        pass
+    return sids
+
+
+def wait_gone(sids: set[int], seconds: float = 20.0) -> list[str]:
+    """Processes of these sessions still alive after `seconds` (orphaned generators notice rank 0's death in a
+    second or two; shutdown escalates to SIGKILL after 25 s at most)."""
     deadline = time.monotonic() + seconds
-    while (left := session_processes(sid)) and time.monotonic() < deadline:
+    while (left := session_processes(sids)) and time.monotonic() < deadline:
         time.sleep(0.3)
     return left
 
 
-def finish(proc: subprocess.Popen, timeout: float) -> int:
-    """The launch's exit code; on timeout the whole session is killed and the result is -1."""
-    try:
-        return proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        return -1
+def finish(proc: subprocess.Popen, timeout: float, sids: set[int]) -> int:
+    """The launch's exit code, noting the sessions of its processes in `sids` meanwhile; on timeout every one of
+    them is killed and the result is -1."""
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None:
+        launch_sessions(proc, sids)
+        if time.monotonic() > deadline:
+            kill_sessions(sids)
+            return proc.wait()
+        time.sleep(0.2)
+    return proc.returncode
+
+
+def kill_sessions(sids: set[int]) -> None:
+    for sid in sids:
+        try:
+            os.killpg(sid, signal.SIGKILL)  # a session leader's pid is also its process group's id
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def records(out: str) -> dict[int, dict]:
@@ -157,11 +184,16 @@ def incomplete_checkpoints(out: str) -> list[str]:
 
 
 def wait_for_moment(point: str, proc: subprocess.Popen, out: str, shm: str, steps: int, rng: random.Random,
-                    deadline: float) -> str:
+                    deadline: float, sids: set[int]) -> str:
     """Block until the fault point is reached; returns what the run's files showed at that moment."""
     batches = os.path.join(out, "trained_batches.jsonl")
 
+    last_look = [0.0]
+
     def alive():
+        if time.monotonic() - last_look[0] > 0.2:  # the processes' sessions, for the leftover check
+            launch_sessions(proc, sids)
+            last_look[0] = time.monotonic()
         if proc.poll() is not None:
             raise RuntimeError(f"the run exited (code {proc.returncode}) before {point}")
         if time.monotonic() > deadline:
@@ -208,7 +240,7 @@ def reference(root: str, seed: int, steps: int, ranks: int, cache: dict) -> dict
         os.makedirs(shm, exist_ok=True)
         log = out + ".log"
         proc = start(command(out, shm, seed, steps, ranks, resume=False), log)
-        rc = finish(proc, RUN_TIMEOUT)
+        rc = finish(proc, RUN_TIMEOUT, set())
         final = records(out)
         if rc != 0 or sorted(final) != list(range(steps)) or line_count(os.path.join(out, "trained_batches.jsonl")) != steps:
             raise RuntimeError(f"the uninterrupted run (seed {seed}, {ranks} rank(s)) failed, code {rc}: see {log}")
@@ -249,20 +281,21 @@ def trial(root: str, i: int, rng: random.Random, steps: int, seeds: list[int], t
     row = {"trial": i, "ranks": ranks, "victim": victim, "point": point, "seed": seed, "log": log, "problems": []}
     t0 = time.monotonic()
     proc = start(command(out, shm, seed, steps, ranks, resume=False), log)
+    sids: set[int] = set()
     try:
-        row["at"] = wait_for_moment(point, proc, out, shm, steps, rng, time.monotonic() + RUN_TIMEOUT)
+        row["at"] = wait_for_moment(point, proc, out, shm, steps, rng, time.monotonic() + RUN_TIMEOUT, sids)
         targets = [psutil.Process(proc.pid)] if victim == "launch" else victims(proc, victim)
         if not targets:
             raise RuntimeError(f"no {victim} process found")
-        if victim == "launch":
-            os.killpg(proc.pid, signal.SIGKILL)
+        if victim == "launch":  # every process of the launch: the launcher, each rank's session, the generators
+            kill_sessions(launch_sessions(proc, sids))
         else:
             rng.choice(targets).kill()
         row["killed"] = True
     except RuntimeError as exc:  # the run ended or stalled before the moment: recorded as a miss, not a result
         row["at"], row["killed"] = str(exc), False
-    rc = row["killed_run_code"] = finish(proc, RUN_TIMEOUT)
-    left = wait_gone(proc.pid)
+    rc = row["killed_run_code"] = finish(proc, RUN_TIMEOUT, sids)
+    left = wait_gone(sids)
     if left:
         row["problems"].append(f"left running after the killed run: {left}")
         for line in left:
@@ -279,8 +312,9 @@ def trial(root: str, i: int, rng: random.Random, steps: int, seeds: list[int], t
         last = latest_complete_checkpoint(out)
         row["resumed_from"] = os.path.basename(last) if last else "start"
         resumed = start(command(out, shm, seed, steps, ranks, resume=last is not None), log)
-        rc2 = finish(resumed, RUN_TIMEOUT)
-        left = wait_gone(resumed.pid)
+        sids2: set[int] = set()
+        rc2 = finish(resumed, RUN_TIMEOUT, sids2)
+        left = wait_gone(sids2)
         if rc2 != 0:
             row["problems"].append(f"the resumed run exited with code {rc2}")
         if left:
