@@ -10,7 +10,8 @@ randomly chosen victim at one randomly chosen fault point:
 
   victims       rank0 (the learner rank that owns the generators), rank1 (the other rank of a 2-rank gloo launch),
                 generator (a spawned generator process: the pool restarts it and the run should finish by itself),
-                launch (the whole session: every learner rank and generator at once)
+                launch (every process of the launch at once: the launcher's session and each rank's, since torch
+                elastic starts every learner rank in a session of its own)
   fault points  before_first_step (a random delay after the start, before step 0 is recorded), mid_generation (a
                 random delay after a random step is recorded), mid_weight_sync (the moment a new policy weight file
                 appears in shm_dir), mid_checkpoint (the moment a checkpoint-N directory appears without its
