@@ -16,21 +16,12 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-
-def median_seconds(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from weight_load import median_seconds  # noqa: E402  (benchmarks/ is on the path when run as a script)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -62,6 +62,16 @@ def test_generator_dies_with_its_parent_despite_an_unread_big_rollout(tmp_path, 
             os.kill(generator_pid, signal.SIGKILL)
 
 
+def stop_generator(process, inbox, outbox) -> None:
+    """Whatever a test left running: kill the generator, release its queues without joining their feeders."""
+    if process.exitcode is None:
+        process.kill()
+        process.join(5.0)
+    for q in (inbox, outbox):
+        q.cancel_join_thread()
+        q.close()
+
+
 def test_generator_exits_on_shutdown_while_its_big_rollout_is_unread(tmp_path, tiny_model_dir):
     # the pool stops reading the outbox before it sends Shutdown: the generator must not wait for a reader
     process, inbox, outbox = start_generator(tiny_model_dir, str(tmp_path))
@@ -75,12 +85,7 @@ def test_generator_exits_on_shutdown_while_its_big_rollout_is_unread(tmp_path, t
         process.join(10.0)
         assert process.exitcode == 0, f"exit code {process.exitcode} 10 s after Shutdown (None: still running)"
     finally:
-        if process.exitcode is None:
-            process.kill()
-            process.join(5.0)
-        for q in (inbox, outbox):
-            q.cancel_join_thread()
-            q.close()
+        stop_generator(process, inbox, outbox)
 
 
 def test_generator_ignores_sigint_and_sigterm_and_keeps_serving(tmp_path, tiny_model_dir):
@@ -97,12 +102,7 @@ def test_generator_ignores_sigint_and_sigterm_and_keeps_serving(tmp_path, tiny_m
         assert answer.kind == "rollouts" and answer.batch_id == 7, answer
         assert process.is_alive()
     finally:
-        if process.exitcode is None:
-            process.kill()
-            process.join(5.0)
-        for q in (inbox, outbox):
-            q.cancel_join_thread()
-            q.close()
+        stop_generator(process, inbox, outbox)
 
 
 @pytest.fixture(autouse=True)
