@@ -92,6 +92,8 @@ class RolloutPipeline:
         for batch in pending:
             if batch.batch_id >= initial_version:
                 self.queue.put(batch)
+        if initial_version >= self.total_steps:  # resumed from the final checkpoint: nothing left to generate
+            return
         a = self.args
         if a.generator_servers:  # started elsewhere (generation/server.py); same face as the pool, weights by broadcast
 

@@ -1,8 +1,13 @@
 """The generator pool: starts, feeds, watches, restarts and stops the generator processes. Lives on learner rank 0.
 
-Owns: one spawned process per generator device, one inbox queue per generator (learner -> generator) and one
-shared outbox (generators -> learner), and a daemon reader thread that drains the outbox. Rollouts go to the
-`on_rollouts` callback (the staleness pipeline); acknowledgements, readiness and errors are recorded here.
+Owns: one spawned process per generator device, and per generator process an inbox queue (learner -> generator) and
+an outbox queue (generator -> learner); one daemon forwarder thread per outbox, which moves its messages into one
+in-process queue, and a daemon reader thread that serves that queue. Rollouts go to the `on_rollouts` callback (the
+staleness pipeline, called from the reader thread only); acknowledgements, readiness and errors are recorded here.
+A restarted generator gets a new inbox and a new outbox: a process SIGKILLed while writing into its outbox leaves the
+queue's write lock held and a message half-written, so that queue is never used again (a shared outbox would silence
+every generator after such a kill). Messages still arriving from a replaced process are dropped, except its error
+report (the requests it held are re-issued anyway).
 
 Guarantees:
 * every message to a generator is delivered in the order sent (one FIFO inbox per generator);
@@ -51,9 +56,11 @@ class GeneratorPool:
         self.weight_sync_timeout = weight_sync_timeout
         self.max_restarts = max_restarts
         self._ctx = mp.get_context("spawn")
-        self.outbox = self._ctx.Queue()
         self.inboxes = [self._ctx.Queue() for _ in self.specs]
-        self.processes = [self._process(spec, inbox) for spec, inbox in zip(self.specs, self.inboxes)]
+        self.outboxes = [self._ctx.Queue() for _ in self.specs]
+        self.processes = [self._process(*args) for args in zip(self.specs, self.inboxes, self.outboxes)]
+        self._merged: queue.Queue = queue.Queue()  # (generator index, incarnation, message) from every outbox
+        self._incarnation = [0] * len(self.specs)  # bumped at each restart; older messages are stale
         self.num_generators = len(self.specs)
         self.acks = AckTracker([s.generator_id for s in self.specs], self.specs[0].initial_version,
                                weight_sync_timeout)
@@ -70,15 +77,32 @@ class GeneratorPool:
         # runs before multiprocessing's exit handler terminates (SIGTERM, ignored) and joins daemonic children
         self._kill_at_exit = multiprocessing.util.Finalize(self, _kill_all, args=(self.processes,), exitpriority=10)
 
-    def _process(self, spec: GeneratorSpec, inbox):
-        return self._ctx.Process(target=generator_main, args=(spec, inbox, self.outbox), daemon=True,
+    def _process(self, spec: GeneratorSpec, inbox, outbox):
+        return self._ctx.Process(target=generator_main, args=(spec, inbox, outbox), daemon=True,
                                  name=f"async_rlhf-generator-{spec.generator_id}")
+
+    def _forward(self, i: int) -> None:
+        """Start the thread that moves generator i's current outbox into `_merged`, tagged with its incarnation."""
+        outbox, incarnation = self.outboxes[i], self._incarnation[i]
+
+        def forward():
+            while not self._stop.is_set() and self._incarnation[i] == incarnation:
+                try:
+                    msg = outbox.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                except (EOFError, OSError, ValueError):
+                    return
+                self._merged.put((i, incarnation, msg))
+
+        threading.Thread(target=forward, name=f"async_rlhf-outbox-{i}.{incarnation}", daemon=True).start()
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     def start(self) -> None:
         t0 = time.monotonic()
-        for p in self.processes:
+        for i, p in enumerate(self.processes):
             p.start()
+            self._forward(i)
         ready: set[int] = set()
         while len(ready) < len(self.specs):
             left = self.start_timeout - (time.monotonic() - t0)
@@ -87,7 +111,7 @@ class GeneratorPool:
                 raise StageTimeout(f"generator start: generator(s) {missing} not ready within "
                                    f"{self.start_timeout:.0f}s (raise generator_start_timeout if the engine is slow)")
             try:
-                msg = self.outbox.get(timeout=min(left, 1.0))
+                _, _, msg = self._merged.get(timeout=min(left, 1.0))
             except queue.Empty:
                 for spec, p in zip(self.specs, self.processes):
                     if p.exitcode is not None:
@@ -121,7 +145,7 @@ class GeneratorPool:
             _stop_process(p, max(0.0, deadline - time.monotonic()))
         if self._reader is not None:
             self._reader.join(5.0)
-        for q in [*self.inboxes, self.outbox]:
+        for q in [*self.inboxes, *self.outboxes]:
             q.cancel_join_thread()  # never block interpreter exit on unflushed queue data
             q.close()
         self._kill_at_exit()  # nothing left to kill: only drops the exit hook
@@ -174,12 +198,14 @@ class GeneratorPool:
                        reason, self.restarts[gid], self.max_restarts, len(self._in_flight[gid]))
         _stop_process(self.processes[i], 5.0)
         self.inboxes[i].cancel_join_thread()
-        inbox = self._ctx.Queue()
+        self.outboxes[i].cancel_join_thread()
+        inbox, outbox = self._ctx.Queue(), self._ctx.Queue()
         with self._lock:
             update = self._last_update
             version = update.version if update is not None else spec.initial_version
-            self.inboxes[i] = inbox
-            self.processes[i] = self._process(spec, inbox)
+            self._incarnation[i] += 1  # the old outbox's forwarder stops; its messages still queued are stale
+            self.inboxes[i], self.outboxes[i] = inbox, outbox
+            self.processes[i] = self._process(spec, inbox, outbox)
             self._starting[gid] = time.monotonic()
             self.acks.reset(gid, spec.initial_version)
             if update is not None:  # FIFO: the newest weights load before any re-issued request
@@ -188,16 +214,21 @@ class GeneratorPool:
             for request in sorted(self._in_flight[gid].values(), key=lambda r: (r.batch_id, r.chunk)):
                 inbox.put(request)
         self.processes[i].start()
+        self._forward(i)
 
     # ---- reader thread -----------------------------------------------------------------------------------
     def _read(self) -> None:
         while not self._stop.is_set():
             try:
-                msg = self.outbox.get(timeout=0.2)
+                i, incarnation, msg = self._merged.get(timeout=0.2)
             except queue.Empty:
                 continue
-            except (EOFError, OSError, ValueError):
-                return
+            if msg.kind == "error":  # the process exits next; `check` restarts it
+                with self._lock:
+                    self._errors[msg.generator_id] = msg.message
+                continue
+            if incarnation != self._incarnation[i]:  # from a process already replaced
+                continue
             if msg.kind == "rollouts":
                 with self._lock:  # a request answered twice (sent before a crash, then re-issued) counts once
                     fresh = self._in_flight[msg.generator_id].pop((msg.batch_id, msg.chunk), None) is not None
@@ -207,11 +238,9 @@ class GeneratorPool:
             if msg.kind == "weights_loaded":
                 self.acks.acknowledged(msg.generator_id, msg.version, msg.seconds)
                 continue
-            with self._lock:
-                if msg.kind == "ready":
+            if msg.kind == "ready":
+                with self._lock:
                     self._starting.pop(msg.generator_id, None)
-                elif msg.kind == "error":  # the process exits next; `check` restarts it
-                    self._errors[msg.generator_id] = msg.message
 
 
 def _see_log(spec: GeneratorSpec) -> str:

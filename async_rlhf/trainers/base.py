@@ -156,7 +156,11 @@ class AsyncTrainerBase(Trainer):
             raise ConfigError(
                 f"per_device_train_batch_size: one step needs {self.args.prompts_per_step} prompts "
                 f"(batch x processes x gradient_accumulation_steps) but the dataset has {len(self.prompt_token_ids)}")
-        tickets = _StepTickets(steps_per_epoch * self.args.gradient_accumulation_steps)
+        # One ticket per micro-batch of the run when max_steps bounds it: the Trainer then ends a run resumed from its
+        # final checkpoint without another step (transformers 5.19 would train one step past max_steps when the
+        # resumed epoch still has tickets left). Which prompts a step trains is the PromptStream's business, not this.
+        steps = self._total_steps() if self.args.max_steps > 0 else steps_per_epoch
+        tickets = _StepTickets(steps * self.args.gradient_accumulation_steps)
         return DataLoader(tickets, batch_size=1, collate_fn=self.data_collator)
 
     def _total_steps(self) -> int:

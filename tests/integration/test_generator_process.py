@@ -105,6 +105,51 @@ def test_generator_ignores_sigint_and_sigterm_and_keeps_serving(tmp_path, tiny_m
         stop_generator(process, inbox, outbox)
 
 
+def _hold_forever(lock) -> None:  # a writer that took the outbox's write lock and is then SIGKILLed
+    lock.acquire()
+    time.sleep(600)
+
+
+def test_a_generator_killed_holding_its_outbox_lock_is_replaced_by_one_that_delivers(tmp_path, tiny_model_dir):
+    # SIGKILL can hit a generator while its feeder thread holds the outbox queue's write lock: nobody can write into
+    # that queue again. With one outbox shared by all generators, the restarted generator (and every other one)
+    # then never delivered; a restart must come with a queue of its own.
+    import multiprocessing as mp
+    import queue as queue_module
+
+    from async_rlhf.generation.pool import GeneratorPool
+    from async_rlhf.generation.worker import GeneratorSpec
+
+    spec = GeneratorSpec(generator_id=0, backend="transformers", model_path=tiny_model_dir, device="cpu", seed=0,
+                         threads=1, log_path=str(tmp_path / "generator-0.log"))
+    got: queue_module.Queue = queue_module.Queue()
+    pool = GeneratorPool([spec], got.put, start_timeout=180, weight_sync_timeout=60, max_restarts=1)
+    try:
+        pool.start()
+        holder = mp.get_context("spawn").Process(target=_hold_forever, args=(pool.outboxes[0]._wlock,), daemon=True)
+        holder.start()
+        deadline = time.monotonic() + 30
+        while pool.outboxes[0]._wlock.acquire(block=False):  # until the holder has it
+            pool.outboxes[0]._wlock.release()
+            assert time.monotonic() < deadline, "the holder never took the lock"
+            time.sleep(0.05)
+        holder.kill()
+        holder.join()
+        pool.processes[0].kill()
+        pool.processes[0].join()
+        pool.check()  # restarts generator 0
+        assert pool.restarts[0] == 1
+        pool.send_request(0, request(3, big=False))
+        deadline = time.monotonic() + 120
+        while got.empty():
+            pool.check()
+            assert time.monotonic() < deadline, "the restarted generator never delivered its rollout"
+            time.sleep(0.2)
+        assert got.get().batch_id == 3
+    finally:
+        pool.close()
+
+
 @pytest.fixture(autouse=True)
 def _no_leftover_children():
     yield

@@ -13,6 +13,7 @@ import sys
 import time
 
 import pytest
+import torch
 from transformers import TrainerCallback
 
 from async_rlhf import AsyncOnlineDPOTrainer
@@ -137,3 +138,24 @@ def test_kill_minus_9_at_a_random_point_then_resume_loses_nothing(tmp_path):
         assert step - r["policy_version"] <= 1  # the staleness bound held across the kill
     seen = [i for s in range(min(stream.steps_per_epoch, STEPS)) for i in final[s]["prompt_ids"]]
     assert len(seen) == len(set(seen))
+
+
+def test_resuming_from_the_final_checkpoint_trains_no_further_step(tmp_path, tiny_model_dir, config):
+    """transformers 5.19 trains one step past max_steps when the resumed epoch has data left; ours ends at once, starts
+    no generator, and still ends like a run (weights loaded, summary written)."""
+    out = tmp_path / "run"
+    data = toy_prompts(48)
+    first = AsyncOnlineDPOTrainer(tiny_model_dir, reward_funcs=lowercase_reward, train_dataset=data,
+                                  args=config(out, max_steps=2, save_strategy="steps", save_steps=2))
+    first.train()
+    trained = (out / "trained_batches.jsonl").read_text().splitlines()
+    os.unlink(out / "run_summary.json")
+    again = AsyncOnlineDPOTrainer(tiny_model_dir, reward_funcs=lowercase_reward, train_dataset=data,
+                                  args=config(out, max_steps=2, save_strategy="steps", save_steps=2))
+    again.train(resume_from_checkpoint=True)
+    assert again.state.global_step == 2
+    assert (out / "trained_batches.jsonl").read_text().splitlines() == trained
+    assert not (out / "checkpoint-3").exists()
+    assert json.loads((out / "run_summary.json").read_text())["steps"] == 2
+    for name, p in first.model.state_dict().items():
+        assert torch.equal(p, again.model.state_dict()[name]), name
