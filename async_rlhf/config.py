@@ -18,6 +18,9 @@ from async_rlhf.config_checks import ConfigError, check_dir, check_types  # noqa
 
 GENERATOR_BACKENDS = ("vllm", "transformers")
 WEIGHT_TRANSPORTS = ("auto", "shm", "broadcast")
+GENERATION_MODES = ("auto", "stream", "batch")
+WEIGHT_LOADS = ("drain", "in_flight")
+ASSIGNMENTS = ("tokens", "count")
 BROADCAST_BACKENDS = ("auto", "gloo", "nccl")
 REWARD_FAILURE_POLICIES = ("raise", "skip")
 ROLLOUT_TIMEOUT_MARGIN = 60  # seconds: rank 0 publishes weights and dispatches before it starts waiting for rollouts
@@ -76,6 +79,27 @@ class AsyncRLConfig(TrainingArguments):
     # ---- generators ------------------------------------------------------------------------------------------
     generator_backend: str = field(
         default="vllm", metadata={"help": "Sampling engine in each generator process: 'vllm' or 'transformers'."}
+    )
+    generation_mode: str = field(
+        default="auto",
+        metadata={"help": "'stream': each prompt group is its own request, sampled as soon as it is admitted next to "
+                  "whatever else the engine runs and returned the moment its samples end (vLLM); 'batch': one "
+                  "generate call per batch chunk, returned when its longest sample ends (the baseline); 'auto': "
+                  "stream with vllm, batch with transformers."},
+    )
+    weight_load: str = field(
+        default="drain",
+        metadata={"help": "How a streaming generator loads new weights while samples are in flight: 'drain' (the "
+                  "samples already started finish on the old weights first, so every sample has one version) or "
+                  "'in_flight' (load at once; running samples continue on the new weights, every token keeps the "
+                  "version and behaviour log-prob it was sampled with, and the staleness bound applies to the "
+                  "oldest token)."},
+    )
+    generator_assignment: str = field(
+        default="tokens",
+        metadata={"help": "How a streamed batch's groups are spread over several generators: 'tokens' (by expected "
+                  "token load: each prompt's earlier completion lengths, else the run's mean, counting what each "
+                  "generator still has in flight) or 'count' (equal numbers of prompts)."},
     )
     generator_devices: list[str] = field(
         default_factory=lambda: ["cpu"],
@@ -207,6 +231,11 @@ class AsyncRLConfig(TrainingArguments):
                  f"{self.generator_backend!r} is not one of {GENERATOR_BACKENDS}")
         _require(self.weight_transport in WEIGHT_TRANSPORTS, "weight_transport",
                  f"{self.weight_transport!r} is not one of {WEIGHT_TRANSPORTS}")
+        for name, allowed in (("generation_mode", GENERATION_MODES), ("weight_load", WEIGHT_LOADS),
+                              ("generator_assignment", ASSIGNMENTS)):
+            _require(getattr(self, name) in allowed, name, f"{getattr(self, name)!r} is not one of {allowed}")
+        _require(self.generation_mode != "stream" or self.generator_backend == "vllm" or self.generator_servers,
+                 "generation_mode", "'stream' needs generator_backend='vllm' (transformers samples whole batches)")
         self._check_generator_servers()
         check_dir("shm_dir", self.shm_dir)
         _require(self.reward_failure in REWARD_FAILURE_POLICIES, "reward_failure",
@@ -251,6 +280,13 @@ class AsyncRLConfig(TrainingArguments):
         local_generators = 0 if self.generator_servers else sum(d == "cpu" for d in self.generator_devices)
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         return max(1, (cores - local_generators * self.generator_threads) // local_ranks)
+
+    @property
+    def streaming(self) -> bool:
+        """Generators take one request per prompt group and answer each as it finishes (`generation_mode`)."""
+        if self.generation_mode == "auto":
+            return self.generator_backend == "vllm" or bool(self.generator_servers)
+        return self.generation_mode == "stream"
 
     def _check_generator_servers(self) -> None:
         servers = self.generator_servers or []

@@ -34,10 +34,12 @@ import dataclasses
 import json
 import logging
 import os
+import threading
 import time
 
 import torch
 
+from async_rlhf.generation.assignment import LengthEstimator, assign, imbalance
 from async_rlhf.generation.pool import GeneratorPool
 from async_rlhf.generation.pool_protocol import GeneratorFailed, GeneratorPoolProtocol
 from async_rlhf.generation.worker import GeneratorSpec
@@ -79,6 +81,12 @@ class RolloutPipeline:
         self.restarts = 0
         self._partial: dict[int, dict[int, RolloutBatch]] = {}  # batch id -> chunk -> rollouts (reader thread)
         self._sync_failure: GeneratorFailed | None = None  # a failed publish, raised by the next batch_for_step
+        self.lengths = LengthEstimator(settings.max_new_tokens)  # observed by the reader thread, read by dispatch
+        self.pool_size = 0  # generators, once started
+        self._in_flight_tokens = collections.defaultdict(float)  # generator -> expected tokens sent, not returned
+        self._owners: dict[tuple[int, int], list] = {}  # (batch, part) -> [(generator, expected tokens)] per send
+        self._load_lock = threading.Lock()  # the three above: dispatch (main thread) and the reader thread
+        self.imbalance_sums = [0.0, 0.0, 0]  # max/mean tokens per generator: as assigned, as count chunks; batches
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     def start(self, initial_version: int = 0, pending: list[RolloutBatch] = (), counters: dict | None = None) -> None:
@@ -113,7 +121,8 @@ class RolloutPipeline:
                 GeneratorSpec(generator_id=i, backend=a.generator_backend, model_path=self.generator_model_path,
                               device=dev, seed=a.seed + i, threads=a.generator_threads,
                               engine_kwargs=self.engine_kwargs, initial_version=initial_version,
-                              log_path=os.path.join(a.output_dir, "logs", f"generator-{i}.log"))
+                              log_path=os.path.join(a.output_dir, "logs", f"generator-{i}.log"),
+                              streaming=a.streaming, weight_load=a.weight_load)
                 for i, dev in enumerate(a.generator_devices)
             ]
             self.pool = GeneratorPool(specs, self._on_rollouts, a.generator_start_timeout, a.weight_sync_timeout,
@@ -124,6 +133,7 @@ class RolloutPipeline:
             self.close()
             raise
         self.start_seconds = self.pool.start_seconds
+        self.pool_size = self.pool.num_generators
         self._dispatch()
 
     def close(self) -> None:
@@ -216,34 +226,68 @@ class RolloutPipeline:
             self.next_dispatch += 1
 
     def _send(self, batch_id: int) -> None:
-        """Split batch `batch_id` into one contiguous chunk per generator (all generators work on every batch, so
-        adding generators cuts the latency of each step, which is what matters at low staleness)."""
+        """Send batch `batch_id` to the generators (all of them work on every batch, so adding generators cuts the
+        latency of each step, which is what matters at low staleness). Streaming: one request per prompt group, each
+        to a generator chosen by expected token load (`generator_assignment`, `assignment.py`). Batch-level: one
+        contiguous chunk of equal prompt count per generator."""
         ids = self.stream.prompts_for_step(batch_id)
-        chunks = min(self.pool.num_generators, len(ids))
-        bounds = [round(i * len(ids) / chunks) for i in range(chunks + 1)]
-        for c in range(chunks):
+        g = self.pool.num_generators
+        if self.args.streaming:
+            bounds = list(range(len(ids) + 1))
+            owners = [(batch_id + i) % g for i in range(len(ids))]
+            if self.args.generator_assignment == "tokens" and g > 1:
+                with self._load_lock:
+                    in_flight = [self._in_flight_tokens[k] for k in range(g)]
+                owners = assign([self._expected_tokens(i) for i in ids], in_flight)
+        else:
+            chunks = min(g, len(ids))
+            bounds = [round(i * len(ids) / chunks) for i in range(chunks + 1)]
+            owners = [(batch_id + c) % g for c in range(chunks)]
+        for c, owner in enumerate(owners):
             part = ids[bounds[c]:bounds[c + 1]]
             # backends seed sample i of prompt p with seed + p*n + i: offsetting by the chunk's first prompt gives
-            # every (batch, prompt, sample) its own stream, reproducible on regeneration and after resume
+            # every (batch, prompt, sample) its own stream, reproducible on regeneration and after resume, and the
+            # same whether the batch goes whole, in chunks or group by group
             seed = (None if self.settings.seed is None
                     else (self.settings.seed * 1_000_003 + batch_id) * 1_000_003 + bounds[c] * self.settings.n)
             settings = dataclasses.replace(self.settings, seed=seed)
             request = GenerationRequest(batch_id, part, [self.prompt_token_ids[i] for i in part], settings,
-                                        chunk=c, num_chunks=chunks)
-            self.pool.send_request((batch_id + c) % self.pool.num_generators, request)
+                                        chunk=c, num_chunks=len(owners))
+            expected = sum(self._expected_tokens(i) for i in part)
+            with self._load_lock:
+                self._in_flight_tokens[owner] += expected
+                self._owners.setdefault((batch_id, c), []).append((owner, expected))
+            self.pool.send_request(owner, request)
+
+    def _expected_tokens(self, prompt_id: int) -> float:
+        return self.settings.n * self.lengths.expected_length(prompt_id) + len(self.prompt_token_ids[prompt_id])
 
     def _on_rollouts(self, part: RolloutBatch) -> None:
-        """Reader thread: reassemble a batch from its chunks, then hand it to the staleness queue. The batch's
-        version is the oldest of its chunks' (the staleness bound holds for every sample)."""
-        if part.num_chunks == 1:
-            self.queue.put(part)
-            return
+        """Reader thread: reassemble a batch from its parts (chunks or groups), then hand it to the staleness queue.
+        The batch's version is the oldest of its parts' (the staleness bound holds for every sample)."""
+        with self._load_lock:
+            owners = self._owners.get((part.batch_id, part.chunk))
+            if owners:  # sent twice when the batch was regenerated: one answer settles one send
+                owner, expected = owners.pop(0)
+                self._in_flight_tokens[owner] -= expected
+            for prompt_id, group in zip(part.prompt_ids, part.completions):
+                self.lengths.observe(prompt_id, [len(c.token_ids) for c in group])
         parts = self._partial.setdefault(part.batch_id, {})
         parts[part.chunk] = part
         if len(parts) < part.num_chunks:
             return
         del self._partial[part.batch_id]
         ordered = [parts[c] for c in range(part.num_chunks)]
+        if part.num_chunks > 1 and self.pool_size > 1:
+            tokens = [sum(len(c.token_ids) for c in group) for p in ordered for group in p.completions]
+            owners = [p.generator_id for p in ordered for _ in p.prompt_ids]
+            assigned, counted = imbalance(tokens, owners, self.pool_size)
+            self.imbalance_sums[0] += assigned
+            self.imbalance_sums[1] += counted
+            self.imbalance_sums[2] += 1
+        if part.num_chunks == 1:
+            self.queue.put(part)
+            return
         self.queue.put(RolloutBatch(
             batch_id=part.batch_id, generator_id=-1, policy_version=min(p.policy_version for p in ordered),
             prompt_ids=[i for p in ordered for i in p.prompt_ids],
@@ -265,6 +309,14 @@ class RolloutPipeline:
         self.syncs += c.get("syncs", 0)
 
     # ---- metrics -----------------------------------------------------------------------------------------
+    def _imbalance_stats(self) -> dict[str, float]:
+        """Mean over batches split across generators of max/mean tokens per generator (1.0: perfectly even), as
+        assigned and as equal-count chunks would have been (`assignment.imbalance`)."""
+        assigned, counted, batches = self.imbalance_sums
+        if not batches:
+            return {}
+        return {"generator/imbalance": assigned / batches, "generator/imbalance_count_split": counted / batches}
+
     def stats(self) -> dict[str, float]:
         """Cumulative pipeline metrics (meaningful on rank 0)."""
         q = self.queue
@@ -278,6 +330,7 @@ class RolloutPipeline:
             "generator/tokens_per_s": self.gen_tokens / self.gen_seconds if self.gen_seconds else 0.0,
             "learner/wait_seconds": self.timers["wait"],
             "sync/count": float(self.syncs),
+            **self._imbalance_stats(),
             "sync/bytes": float(self.sync_bytes),
             "sync/gather_seconds": self.timers["sync_gather"],
             "sync/transfer_seconds": self.timers["sync_transfer"],

@@ -53,14 +53,26 @@ class Completion:
     token_ids: list[int]  # [T] generated tokens, EOS included when it was sampled
     logprobs: list[float]  # [T] behaviour log-prob of each sampled token under the generator's policy
     finish_reason: str  # "stop" (EOS or stop token) or "length" (hit max_new_tokens)
+    # [[version, first token], ...]: tokens from `first token` on were sampled by weights `version` (in order, the
+    # first at token 0). Empty: every token by the batch's `policy_version` (batch-level generators).
+    version_starts: list[list[int]] = field(default_factory=list)
+
+    def oldest_version(self, default: int) -> int:
+        return min((v for v, _ in self.version_starts), default=default)
 
     @classmethod
     def from_dict(cls, d) -> Completion:
+        if isinstance(d, dict) and "version_starts" not in d:  # written before per-token versions existed
+            d = {**d, "version_starts": []}
         f = check_fields(d, "completion", {"token_ids": list_of(nonneg), "logprobs": list_of(number),
-                                           "finish_reason": string})
+                                           "finish_reason": string, "version_starts": list_of(list_of(nonneg))})
         if len(f["token_ids"]) != len(f["logprobs"]) or f["finish_reason"] not in ("stop", "length"):
             raise FieldError("completion: token_ids and logprobs differ in length, or finish_reason is not "
                              "'stop'/'length'")
+        starts = [s[1] if len(s) == 2 else -1 for s in f["version_starts"]]
+        if -1 in starts or starts[:1] not in ([], [0]) or starts != sorted(starts):
+            raise FieldError(f"completion.version_starts: expected [[version, first token], ...] starting at token 0 "
+                             f"in order, got {f['version_starts']}")
         return cls(**f)
 
 
@@ -122,7 +134,7 @@ class RolloutBatch:
 
     batch_id: int
     generator_id: int
-    policy_version: int  # version of the weights that sampled every completion here
+    policy_version: int  # version of the weights that sampled every completion here (the oldest of any token)
     prompt_ids: list[int]  # [P]
     prompt_token_ids: list[list[int]]  # [P][L_p]
     completions: list[list[Completion]]  # [P][n]
@@ -143,6 +155,12 @@ class RolloutBatch:
                     if not math.isfinite(lp):
                         return p, i, t, lp
         return None
+
+    def sample_versions(self) -> list[list[list[int]]]:
+        """[P][n] [oldest, newest] weight version of each sample's tokens (`policy_version` for batch-level ones)."""
+        return [[[c.oldest_version(self.policy_version), max((v for v, _ in c.version_starts),
+                                                              default=self.policy_version)] for c in group]
+                for group in self.completions]
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

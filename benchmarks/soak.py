@@ -68,7 +68,7 @@ def make_sampler(trainer, every: int, path: str):
                 extra = {"queue_depth": len(pipeline.queue), "partial_batches": len(pipeline._partial),
                          "weight_files": len(os.listdir(pipeline.transport.dir)),
                          "in_flight_requests": sum(len(v) for v in pipeline.pool._in_flight.values()),
-                         "pending_acks": len(pipeline.pool._pending_acks)}
+                         "pending_acks": pipeline.pool.acks.waiting()}
             for row in rows:
                 self.file.write(json.dumps({"step": step, "t": time.monotonic() - self.t0, **row, **extra}) + "\n")
 

@@ -83,9 +83,10 @@ class AckTracker:
             self._pending = {k: v for k, v in self._pending.items() if k[0] != generator_id}
             self.loaded_version[generator_id] = version
 
-    def waiting(self) -> bool:
+    def waiting(self) -> int:
+        """How many (generator, update) acknowledgements are outstanding."""
         with self._lock:
-            return bool(self._pending)
+            return len(self._pending)
 
     def min_loaded_version(self) -> int:
         with self._lock:

@@ -126,25 +126,13 @@ class VLLMBackend:
         With `settings.seed`, prompt p uses seed `seed + p*n` and vLLM gives its i-th sample `seed + p*n + i`, so
         every sequence in the batch has its own stream (one shared seed would give every prompt the same noise).
         """
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = [
-            SamplingParams(
-                n=settings.n,
-                temperature=settings.temperature,
-                top_p=settings.top_p,
-                top_k=max(settings.top_k, 0),  # vLLM: 0 disables top-k
-                max_tokens=settings.max_new_tokens,
-                seed=None if settings.seed is None else settings.seed + p * settings.n,
-                logprobs=0,  # only the sampled token's log-prob
-                detokenize=False,  # we hand back token ids; skip the detokenizer
-            )
-            for p in range(len(prompt_token_ids))
-        ]
+        params = [sampling_params(settings, p) for p in range(len(prompt_token_ids))]
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_token_ids]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        return [[_completion(c) for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
+        return [[completion_from_vllm(c, with_versions=False) for c in sorted(out.outputs, key=lambda c: c.index)]
+                for out in outputs]
 
     def load_weights(self, update: WeightUpdate) -> None:
         """Load `update` and make it the engine's weight version; a mismatched update is refused before loading."""
@@ -166,8 +154,11 @@ class VLLMBackend:
             self.llm.update_weight_version(str(update.version))
         else:
             raise ValueError(f"unknown weight transport {update.transport!r}; expected 'shm' or 'broadcast'")
-        # Cached prefix blocks hold keys/values computed by the old weights.
-        self.llm.reset_prefix_cache()
+        # Cached prefix blocks hold keys/values computed by the old weights. Requests still running (a streaming
+        # generator loading weights in flight, `stream_engine.py`) are preempted and recomputed: their next tokens
+        # are sampled from the new weights over the whole context, exactly as a fresh request would be.
+        if not self.llm.reset_prefix_cache(reset_running_requests=True):
+            raise RuntimeError("vLLM could not reset its prefix cache after a weight update")
 
     @property
     def weight_version(self) -> str:
@@ -230,13 +221,42 @@ class LLMClient:
         self.llm.finish_weight_update(weight_version=weight_version)
 
 
-def _completion(output: CompletionOutput) -> Completion:
-    """vLLM `CompletionOutput` -> `Completion`; `logprobs` holds one {token: Logprob} dict per sampled token."""
+def sampling_params(settings: SamplingSettings, p: int, final_only: bool = False):
+    """vLLM's parameters for prompt `p` of a request: its n samples are seeded `seed + p*n + i`. `final_only`: the
+    engine reports the request once, finished (what `LLM.generate` sets; `LLMEngine.add_request` does not)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    extra = {"output_kind": RequestOutputKind.FINAL_ONLY} if final_only else {}
+    return SamplingParams(
+        n=settings.n,
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        top_k=max(settings.top_k, 0),  # vLLM: 0 disables top-k
+        max_tokens=settings.max_new_tokens,
+        seed=None if settings.seed is None else settings.seed + p * settings.n,
+        logprobs=0,  # only the sampled token's log-prob
+        detokenize=False,  # we hand back token ids; skip the detokenizer
+        **extra,
+    )
+
+
+def completion_from_vllm(output: CompletionOutput, with_versions: bool = True) -> Completion:
+    """vLLM `CompletionOutput` -> `Completion`; `logprobs` holds one {token: Logprob} dict per sampled token. With
+    `with_versions`, the weight version of each token, from vLLM's spans (labels are our versions: see the module
+    docstring); a completion without tokens gets none."""
     if output.finish_reason not in ("stop", "length"):
         raise RuntimeError(f"vLLM finished a sequence with {output.finish_reason!r}")
     token_ids = list(output.token_ids)
     logprobs = [step[tok].logprob for step, tok in zip(output.logprobs, token_ids, strict=True)]
-    return Completion(token_ids=token_ids, logprobs=logprobs, finish_reason=output.finish_reason)
+    starts = []
+    if with_versions and token_ids:
+        spans = output.weight_versions
+        if not spans:
+            raise RuntimeError("vLLM returned no weight-version spans (was the engine's weight version never set?)")
+        starts = [[int(s.version), s.start] for s in spans if s.end > s.start]
+    return Completion(token_ids=token_ids, logprobs=logprobs, finish_reason=output.finish_reason,
+                      version_starts=starts)
 
 
 def _check_cpu_head_size(model_path: str) -> None:

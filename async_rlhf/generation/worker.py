@@ -1,9 +1,9 @@
 """The generator process: one sampling engine, one inbox, one outbox.
 
-Runs in its own OS process (spawned by `generation/pool.py`). It serves its inbox strictly in order, so a
-`WeightUpdate` queued before a `GenerationRequest` is always loaded before that request is sampled: this FIFO
-order is what lets the learner's admission control bound staleness without locks. Every rollout is tagged with
-the version of the weights loaded when it was sampled.
+Runs in its own OS process (spawned by `generation/pool.py`): starts its engine, then serves its inbox with one of
+the loops of `serve_loops.py` (batch-level or streaming). Either way a `WeightUpdate` queued before a
+`GenerationRequest` is loaded before that request is sampled: this FIFO rule is what lets the learner's admission
+control bound staleness without locks. Every rollout carries the version(s) of the weights that sampled it.
 
 Its output goes to `spec.log_path`, with only real problems on the console (`process_log.py`).
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import signal
 import sys
 import threading
@@ -51,6 +50,8 @@ class GeneratorSpec:
     engine_kwargs: dict = field(default_factory=dict)
     initial_version: int = 0
     log_path: str | None = None  # the process's whole output (see `process_log.py`); None: console only
+    streaming: bool = False  # request-level serving (`serve_loops.serve_stream`, vLLM only); else batch-level
+    weight_load: str = "drain"  # streaming: "drain" | "in_flight" (see `serve_loops.py`)
 
 
 def _restrict_device(device: str, threads: int) -> str:
@@ -123,7 +124,8 @@ def _serve(spec: GeneratorSpec, inbox, outbox) -> bool:
     engine is closed before it returns."""
     from multiprocessing import parent_process
 
-    from async_rlhf.types import GenerationRequest, GeneratorError, GeneratorReady, RolloutBatch, WeightAck
+    from async_rlhf.generation.serve_loops import serve_batches, serve_stream
+    from async_rlhf.types import GeneratorError, GeneratorReady
 
     device = _restrict_device(spec.device, spec.threads)
     backend = None
@@ -136,42 +138,9 @@ def _serve(spec: GeneratorSpec, inbox, outbox) -> bool:
 
         t0 = time.perf_counter()
         backend = load_backend(spec.backend, spec.model_path, device=device, seed=spec.seed, **spec.engine_kwargs)
-        version = spec.initial_version
         outbox.put(GeneratorReady(spec.generator_id, backend.name, time.perf_counter() - t0))
-        parent = parent_process()
-        while True:
-            try:
-                msg = inbox.get(timeout=1.0)
-            except queue.Empty:
-                if parent is not None and not parent.is_alive():
-                    return True
-                continue
-            if msg.kind == "shutdown":
-                return True
-            if msg.kind == "weights":
-                t0 = time.perf_counter()
-                backend.load_weights(msg)
-                version = msg.version
-                outbox.put(WeightAck(spec.generator_id, version, time.perf_counter() - t0))
-            elif msg.kind == "generate":
-                assert isinstance(msg, GenerationRequest)
-                t0 = time.perf_counter()
-                completions = backend.generate(msg.prompt_token_ids, msg.settings)
-                outbox.put(
-                    RolloutBatch(
-                        batch_id=msg.batch_id,
-                        generator_id=spec.generator_id,
-                        policy_version=version,
-                        prompt_ids=msg.prompt_ids,
-                        prompt_token_ids=msg.prompt_token_ids,
-                        completions=completions,
-                        seconds=time.perf_counter() - t0,
-                        chunk=msg.chunk,
-                        num_chunks=msg.num_chunks,
-                    )
-                )
-            else:
-                raise ValueError(f"generator {spec.generator_id}: unknown message kind {msg.kind!r}")
+        serve = serve_stream if spec.streaming else serve_batches
+        return serve(spec, backend, inbox, outbox, parent_process())
     except BaseException as exc:  # report, then exit: the pool turns this into an error on the learner
         outbox.put(GeneratorError(spec.generator_id, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         return False

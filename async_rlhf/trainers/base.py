@@ -203,8 +203,8 @@ class AsyncTrainerBase(Trainer):
         """The run's own record of what each step trained on (read by resume tests and audits)."""
         os.makedirs(self.args.output_dir, exist_ok=True)
         with open(os.path.join(self.args.output_dir, "trained_batches.jsonl"), "a") as f:
-            f.write(json.dumps({"step": step, "policy_version": batch.policy_version,
-                                "prompt_ids": batch.prompt_ids}) + "\n")
+            f.write(json.dumps({"step": step, "policy_version": batch.policy_version, "prompt_ids": batch.prompt_ids,
+                                "sample_versions": batch.sample_versions()}) + "\n")
 
     # ---- the algorithm hook --------------------------------------------------------------------------------
     def compute_rollout_loss(self, model, groups: list[ScoredGroup]) -> tuple[torch.Tensor, dict[str, float]]:

@@ -2,7 +2,8 @@
 
 The summary's staleness histogram only counts the batches the queue let through, so `max(histogram) <= bound`
 holds by construction and cannot catch a batch trained beyond the bound. `trained_batches.jsonl` (written by the
-trainer at every step: the step and the policy version that generated its batch) can.
+trainer at every step: the step, the policy version of its batch, and each sample's oldest and newest token
+version) can.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ def check_staleness_records(output_dir, steps: int, max_staleness: int, summary:
     staleness = [r["step"] - r["policy_version"] for r in sorted(records, key=lambda r: r["step"])]
     bad = {step: k for step, k in enumerate(staleness) if not 0 <= k <= max_staleness}
     assert not bad, f"steps trained outside staleness 0..{max_staleness} (step: steps behind): {bad}"
+    for r in records:  # every sample, by its oldest and newest token (several versions with in-flight loads)
+        for group in r["sample_versions"]:
+            for oldest, newest in group:
+                assert r["policy_version"] <= oldest <= newest <= r["step"], (r["step"], r["policy_version"], group)
     if summary is not None:
         assert summary["steps"] == steps
         assert summary["max_staleness"] == max_staleness

@@ -1,5 +1,6 @@
 """The real loop, end to end: `accelerate launch` with 2 learner ranks over gloo, a real vLLM generator process,
-shared-memory weight broadcast, online DPO on a learnable reward, at max_staleness 0 and 2.
+shared-memory weight broadcast, online DPO on a learnable reward, at max_staleness 0 (weights loaded once the
+running samples end) and 2 (weights loaded in flight).
 
 Everything is read back from the run's own records (run_summary.json, metrics.jsonl, trained_batches.jsonl) and
 from the process table.
@@ -30,6 +31,8 @@ def _launch(tmp_path, staleness: int, backend: str = "vllm", procs: int = 2) -> 
         "--lr_scheduler_type", "constant", "--disable_tqdm", "true",
         "--temperature", "1.0", "--max_staleness", str(staleness), "--sync_every", "1",
         "--generator_backend", backend, "--rollout_timeout", "300", "--seed", "1",
+        # the stale run loads weights in flight: its records then hold per-token versions, checked sample by sample
+        "--weight_load", "in_flight" if staleness else "drain",
     ]
     log = run_in_own_session(cmd, timeout=900)
     summary = json.loads((out / "run_summary.json").read_text())

@@ -10,11 +10,15 @@ from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
 from run_records import check_staleness_records
 
 
-@pytest.mark.parametrize("staleness", [0, pytest.param(1, marks=pytest.mark.slow)])
-def test_two_generators_share_each_batch_and_track_every_version(tmp_path, tiny_model_dir, staleness):
+@pytest.mark.parametrize("staleness,backend", [(0, "transformers"), (1, "vllm"),
+                                               pytest.param(1, "transformers", marks=pytest.mark.slow)])
+def test_two_generators_share_each_batch_and_track_every_version(tmp_path, tiny_model_dir, staleness, backend):
+    # transformers: batch-level (a chunk per generator); vllm: streamed groups, spread by expected token load
+    if backend == "vllm":
+        pytest.importorskip("vllm")
     steps = 4
     config = AsyncOnlineDPOConfig(output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=5,
-                                  max_new_tokens=6, max_length=48, generator_backend="transformers",
+                                  max_new_tokens=6, max_length=48, generator_backend=backend,
                                   generator_devices=["cpu", "cpu"], generator_threads=1, max_staleness=staleness,
                                   learning_rate=1e-3, disable_tqdm=True, seed=0)
     trainer = AsyncOnlineDPOTrainer(tiny_model_dir, reward_funcs=lowercase_reward, args=config,
@@ -26,3 +30,9 @@ def test_two_generators_share_each_batch_and_track_every_version(tmp_path, tiny_
     # every generator acknowledged the last published version (steps - 1 is the last one a batch could need)
     assert set(s["generator_versions"]) == {0, 1}
     assert min(s["generator_versions"].values()) >= steps - 1
+    if backend == "vllm":  # streamed group by group: every batch reassembled whole, its token spread measured
+        import json
+
+        records = [json.loads(line) for line in (tmp_path / "trained_batches.jsonl").read_text().splitlines()]
+        assert all(len(r["prompt_ids"]) == 5 for r in records)
+        assert trainer.pipeline.imbalance_sums[2] == steps  # one imbalance figure per streamed batch

@@ -15,7 +15,8 @@ from async_rlhf.pipeline import RolloutPipeline
 from async_rlhf.types import SamplingSettings
 from async_rlhf.weight_sync.shm import ShmWeightTransport
 
-ARGS = types.SimpleNamespace(prompts_per_step=2, seed=0, max_staleness=1, sync_every=1, rollout_timeout=5.0)
+ARGS = types.SimpleNamespace(prompts_per_step=2, seed=0, max_staleness=1, sync_every=1, rollout_timeout=5.0,
+                             streaming=False, generator_assignment="count")
 RANK_0 = types.SimpleNamespace(is_main_process=True, num_processes=1)
 
 

@@ -1,0 +1,64 @@
+"""Which generator samples which prompt group: by expected token load (RLHFless's length-aware assignment).
+
+A streamed batch is one request per prompt group, so groups can go to any generator. `LengthEstimator` predicts a
+group's decode work from what the run has seen: the mean completion length of this prompt's earlier samples (a
+prompt comes back every epoch), else the mean over every completion so far, else `max_new_tokens` (the first
+batch, when nothing is known). `assign` is the longest-processing-time rule: the costliest group first, each to the
+generator with the least expected work, counting what every generator still has in flight from earlier batches (so
+a generator busy with a long tail gets less of the next batch).
+
+`imbalance` is the report: the most tokens any generator got, over the mean, for a batch as it was assigned, and
+for the same batch split into equal-count contiguous chunks (what batch-level generation does), from the tokens
+actually sampled.
+"""
+
+from __future__ import annotations
+
+
+class LengthEstimator:
+    def __init__(self, max_new_tokens: int):
+        self.max_new_tokens = max_new_tokens
+        self._per_prompt: dict[int, float] = {}  # prompt id -> mean completion tokens, last time it was sampled
+        self._total_tokens = 0
+        self._total_samples = 0
+
+    def observe(self, prompt_id: int, lengths: list[int]) -> None:
+        if lengths:
+            self._per_prompt[prompt_id] = sum(lengths) / len(lengths)
+            self._total_tokens += sum(lengths)
+            self._total_samples += len(lengths)
+
+    def expected_length(self, prompt_id: int) -> float:
+        if prompt_id in self._per_prompt:
+            return self._per_prompt[prompt_id]
+        if self._total_samples:
+            return self._total_tokens / self._total_samples
+        return float(self.max_new_tokens)
+
+
+def assign(costs: list[float], in_flight: list[float]) -> list[int]:
+    """Generator index for each cost: largest first, each to the generator with the least work (`in_flight` plus
+    what this call gave it). Ties go to the lowest index, so the result is deterministic."""
+    load = list(in_flight)
+    owner = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
+        g = min(range(len(load)), key=lambda g: load[g])
+        owner[i] = g
+        load[g] += costs[i]
+    return owner
+
+
+def imbalance(tokens: list[int], owner: list[int], num_generators: int) -> tuple[float, float]:
+    """(as assigned, as equal-count chunks): max over mean of the tokens per generator, for one batch's groups in
+    batch order (`tokens[i]` sampled for group i, which went to generator `owner[i]`)."""
+    def ratio(per: list[int]) -> float:
+        mean = sum(per) / len(per)
+        return max(per) / mean if mean else 1.0
+
+    assigned = [0] * num_generators
+    for t, g in zip(tokens, owner):
+        assigned[g] += t
+    chunks = min(num_generators, len(tokens))
+    bounds = [round(c * len(tokens) / chunks) for c in range(chunks + 1)]
+    counted = [sum(tokens[bounds[c]:bounds[c + 1]]) for c in range(chunks)] + [0] * (num_generators - chunks)
+    return ratio(assigned), ratio(counted)

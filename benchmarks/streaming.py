@@ -1,0 +1,135 @@
+"""Batch-level vs streaming generation on a long-tailed workload, against the ideal, in one invocation.
+
+    python benchmarks/streaming.py --quick       # 6 steps each, about 3 minutes on 2 cores
+    python benchmarks/streaming.py --steps 12 --generators 2
+
+The workload: online DPO on the toy task with a tiny random Llama that rarely samples EOS, so completion lengths
+are close to geometric (coefficient of variation near 1) up to `--new_tokens`: most samples are short and a few run
+to the cap, the shape that makes one `generate()` per batch wait on its longest sample. One learner process and
+`--generators` vLLM generator processes, one CPU thread each, `max_staleness` 1, a weight sync every step.
+
+Runs, each the real trainer and pipeline (times are of the training loop; engine start-up excluded):
+  batch               generation_mode=batch: one generate call per batch (chunk), the baseline
+  stream/drain        one request per prompt group, weights loaded once the running samples end
+  stream/in_flight    the same, weights loaded between two engine steps (per-token versions)
+and the ideal: the same prompts and seeds sampled by one in-process engine that never drains and never waits for a
+learner, with as many groups in flight as two steps hold (a group enters the moment another leaves), at the
+initial policy. Reported: samples/s, learner wait as a fraction of the loop, generator imbalance with several
+generators, each run's speed-up over batch-level and its fraction of the ideal (samples/s over the ideal's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+RUNS = (("batch", "batch", "drain"), ("stream/drain", "stream", "drain"), ("stream/in_flight", "stream", "in_flight"))
+
+
+def config(args, out: str, mode: str, weight_load: str):
+    from async_rlhf import AsyncOnlineDPOConfig
+
+    return AsyncOnlineDPOConfig(
+        output_dir=out, max_steps=args.steps, per_device_train_batch_size=args.batch, num_generations=2,
+        max_new_tokens=args.new_tokens, max_length=args.new_tokens + 32, learning_rate=1e-5, temperature=1.0,
+        max_staleness=1, generator_backend="vllm", generator_devices=["cpu"] * args.generators,
+        generator_threads=1, learner_threads=1, generation_mode=mode, weight_load=weight_load,
+        logging_steps=1000, save_strategy="no", seed=0, disable_tqdm=True, report_to=[],
+    )
+
+
+def run(args, model_dir: str, mode: str, weight_load: str) -> dict:
+    from async_rlhf import AsyncOnlineDPOTrainer
+    from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
+
+    out = tempfile.mkdtemp(prefix=f"bench-stream-{mode}-")
+    trainer = AsyncOnlineDPOTrainer(model=model_dir, reward_funcs=lowercase_reward,
+                                    args=config(args, out, mode, weight_load), train_dataset=toy_prompts(512, seed=0))
+    trainer.train()
+    return trainer.run_summary
+
+
+def ideal(args, model_dir: str) -> float:
+    """Samples/s of one never-draining in-process engine over the runs' prompts and seeds (see the docstring)."""
+    import dataclasses
+
+    import torch
+
+    from async_rlhf import AsyncOnlineDPOTrainer
+    from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
+    from async_rlhf.generation.stream_engine import StreamEngine
+    from async_rlhf.generation.vllm_backend import VLLMBackend
+    from async_rlhf.prompt_stream import PromptStream
+    from async_rlhf.types import GenerationRequest
+
+    torch.set_num_threads(1)
+    # the trainer only to tokenize the prompts and build the sampling settings exactly as the runs do
+    t = AsyncOnlineDPOTrainer(model=model_dir, reward_funcs=lowercase_reward,
+                              args=config(args, tempfile.mkdtemp(), "stream", "drain"),
+                              train_dataset=toy_prompts(512, seed=0))
+    settings, prompts = t.sampling_settings(), t.prompt_token_ids
+    stream = PromptStream(len(prompts), args.batch, settings.seed)
+    requests = []
+    for step in range(args.steps):
+        for j, pid in enumerate(stream.prompts_for_step(step)):
+            seed = (settings.seed * 1_000_003 + step) * 1_000_003 + j * settings.n
+            requests.append(GenerationRequest(step, [pid], [prompts[pid]], dataclasses.replace(settings, seed=seed),
+                                              chunk=j, num_chunks=args.batch))
+    backend = VLLMBackend(model_dir, dtype="float32", max_model_len=args.new_tokens + 32)
+    engine = StreamEngine(backend, 0)
+    backend.llm.update_weight_version("0")
+    window, done, t0 = 2 * args.batch, 0, time.perf_counter()
+    pending = list(reversed(requests))
+    for _ in range(min(window, len(pending))):
+        engine.submit(pending.pop(), 0)
+    while engine.busy:
+        for _ in engine.step():
+            done += 1
+            if pending:
+                engine.submit(pending.pop(), 0)
+    seconds = time.perf_counter() - t0
+    backend.close()
+    return done * settings.n / seconds
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--batch", type=int, default=16, help="prompts per step (2 samples each)")
+    p.add_argument("--new_tokens", type=int, default=224)
+    p.add_argument("--generators", type=int, default=1)
+    p.add_argument("--quick", action="store_true", help="6 steps")
+    args = p.parse_args()
+    if args.quick:
+        args.steps = 6
+
+    from async_rlhf.data.tiny_model import save_tiny_model
+
+    model_dir = save_tiny_model(tempfile.mkdtemp(prefix="bench-model-"))
+    results = {name: run(args, model_dir, mode, wl) for name, mode, wl in RUNS}
+    best_ideal = ideal(args, model_dir)
+
+    print(f"\nmachine: {platform.machine()} {os.cpu_count()} cores; {args.steps} steps x {args.batch} prompts x 2 "
+          f"samples, max_new_tokens {args.new_tokens}, max_staleness 1, {args.generators} generator(s)")
+    base = None
+    print(f"{'run':18} {'samples/s':>9} {'speed-up':>8} {'of ideal':>8} {'wait':>6} {'imbalance':>9}  tokens")
+    for name, s in results.items():
+        rate = s["samples"] / s["loop_seconds"]
+        base = base or rate
+        imb = s["generator_imbalance"].get("imbalance")
+        print(f"{name:18} {rate:9.2f} {rate / base:7.2f}x {rate / best_ideal:8.2f} "
+              f"{s['wait_seconds'] / s['loop_seconds']:6.2f} {'' if imb is None else f'{imb:9.2f}':>9}")
+    print(f"{'ideal':18} {best_ideal:9.2f} {best_ideal / base:7.2f}x {1.0:8.2f}")
+    best = max(results, key=lambda k: results[k]["samples"] / results[k]["loop_seconds"])
+    rate = results[best]["samples"] / results[best]["loop_seconds"]
+    print(f"best: {best}; speed-up over batch-level: {rate / base:.2f}x; fraction of the ideal: {rate / best_ideal:.2f}")
+
+
+if __name__ == "__main__":
+    main()
