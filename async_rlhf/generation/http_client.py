@@ -29,6 +29,10 @@ class ServerError(RuntimeError):
     """A call to a generator server failed (the message says which route and why)."""
 
 
+class Unauthorized(ServerError):
+    """The server refused the token (HTTP 401)."""
+
+
 def base_url(address: str) -> str:
     """'host:port' or 'http(s)://host:port' -> 'http(s)://host:port'. Raises ValueError for anything else."""
     scheme, sep, rest = address.partition("://")
@@ -51,6 +55,9 @@ def _refuse_constant(name: str):
 
 
 def parse_json(text: str, route: str) -> Any:
+    """The answer's JSON; None for an empty body (`/health`)."""
+    if not text:
+        return None
     try:
         return json.loads(text, parse_constant=_refuse_constant)
     except ValueError as exc:  # JSONDecodeError is a ValueError
@@ -59,7 +66,7 @@ def parse_json(text: str, route: str) -> Any:
 
 def check_status(route: str, status: int, text: str) -> None:
     if status == 401:
-        raise ServerError(f"{route}: refused the token (HTTP 401): set ASYNC_RLHF_GENERATOR_TOKEN to the server's")
+        raise Unauthorized(f"{route}: refused the token (HTTP 401): set ASYNC_RLHF_GENERATOR_TOKEN to the server's")
     if status != 200:
         raise ServerError(f"{route}: HTTP {status}: {text[:500]}")
 
