@@ -149,6 +149,7 @@ class WeightSyncClient:
         except (requests.RequestException, OSError) as exc:
             raise ServerError(f"{route}: {type(exc).__name__}: {exc}") from None
         check_status(route, response.status_code, response.text)
+        parse_json(response.text, route)  # vLLM answers JSON: anything else is not a vLLM server
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self._post("/init_weight_transfer_engine", {"init_info": init_info})
