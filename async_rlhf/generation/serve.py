@@ -171,23 +171,25 @@ def main(argv: list[str] | None = None) -> None:
     allow_remote = "--allow_remote" in argv or "--allow-remote" in argv
     argv = [a for a in argv if a not in ("--allow_remote", "--allow-remote")]
     token = os.environ.get(TOKEN_ENV, "")
-    check_bind(_value(argv, "--host", "127.0.0.1"), allow_remote, token)  # before anything heavy is imported
-    os.environ["VLLM_SERVER_DEV_MODE"] = "1"
+    os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # before vLLM reads its environment
 
-    import uvloop
-    from vllm.entrypoints.launchers.api_server.entry import run_server
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
-    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
-    from vllm.logger import configure_logging_from_args
     from vllm.platforms import current_platform
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    cli_env_setup()
     parser = make_arg_parser(FlexibleArgumentParser(prog="python -m async_rlhf.generation.serve",
                                                     description=__doc__))
     args = parser.parse_args(vllm_argv(argv, token, current_platform.is_cpu()))
+    check_bind(args.host, allow_remote, token)  # before the engine starts
     if not token:
         print(f"warning: {TOKEN_ENV} is not set: any user of this machine can drive this server", file=sys.stderr)
+
+    import uvloop
+    from vllm.entrypoints.launchers.api_server.entry import run_server
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.logger import configure_logging_from_args
+
+    cli_env_setup()
     configure_logging_from_args(args)
     validate_parsed_serve_args(args)
     stop = threading.Event()

@@ -40,7 +40,11 @@ def test_bind_rules():
     serve.check_bind("10.1.2.3", allow_remote=True, token=TOKEN)
 
 
-def test_launcher_refuses_an_exposed_bind_before_importing_vllm(monkeypatch):
+def test_launcher_refuses_an_exposed_bind_before_starting_the_engine(monkeypatch):
+    pytest.importorskip("vllm")
+    import uvloop
+
+    monkeypatch.setattr(uvloop, "run", lambda *a, **k: pytest.fail("the server must not start"))
     monkeypatch.delenv(serve.TOKEN_ENV, raising=False)
     with pytest.raises(SystemExit, match="--allow_remote"):
         serve.main(["--model", "/nonexistent", "--host", "0.0.0.0"])
