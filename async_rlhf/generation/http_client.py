@@ -16,8 +16,10 @@ connection, JSON that is not what vLLM sends). Nothing here retries: the pool de
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+import threading
 from typing import Any
 
 from async_rlhf.types import Completion, SamplingSettings
@@ -106,8 +108,6 @@ def parse_completions(answer: Any, n: int, route: str = "/v1/completions") -> li
 async def request_json(session, method: str, url: str, route: str, timeout: float, token: str,
                        body: dict | None = None) -> Any:
     """One aiohttp call; returns the parsed JSON answer. Every failure is a ServerError naming `route`."""
-    import asyncio
-
     import aiohttp
 
     try:
@@ -162,3 +162,40 @@ class WeightSyncClient:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._post("/finish_weight_update", {"weight_version": weight_version})
+
+
+def trainer_engine(client: WeightSyncClient):
+    """vLLM's trainer-side engine for our `async_rlhf_shm` backend (its init calls `/init_weight_transfer_engine`)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from async_rlhf.weight_sync.vllm_shm_engine import ShmTrainerInitInfo
+
+    return WeightTransferTrainerFactory.trainer_init(ShmTrainerInitInfo(rank=0), client=client)
+
+
+async def in_daemon_thread(fn, *args):
+    """`await fn(*args)` run on a daemon thread of its own: a hung blocking call holds up neither the event loop nor
+    the interpreter's exit (the default executor's threads are joined at exit)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result, exc):
+        if future.done():  # cancelled meanwhile (the pool is closing)
+            return
+        if exc is None:
+            future.set_result(result)
+        else:
+            future.set_exception(exc)
+
+    def run():
+        try:
+            outcome = (fn(*args), None)
+        except BaseException as exc:  # handed to the awaiting coroutine, which records it
+            outcome = (None, exc)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:  # the loop is closed: the pool is gone, nobody is waiting
+            pass
+
+    threading.Thread(target=run, daemon=True, name="async_rlhf-http-weights").start()
+    return await future

@@ -234,7 +234,7 @@ class HTTPGeneratorPool:
             raise GeneratorFailed(f"generator start: {self.describe(s.gid)} serves {s.model} with max_model_len "
                                   f"{max_len} < max_length {self.min_model_len}")
         client = WeightSyncClient(s.url, self.token, self.weight_sync_timeout)
-        s.engine = await self._blocking(_trainer_engine, client)
+        s.engine = await http_client.in_daemon_thread(http_client.trainer_engine, client)
         logger.info("%s: serving %s (max_model_len %s, weight version %r)", self.describe(s.gid), s.model, max_len,
                     loaded)
         return self.initial_version > 0 or loaded != "default"
@@ -271,7 +271,7 @@ class HTTPGeneratorPool:
                 await s.idle.wait()
                 t0 = time.monotonic()
                 try:
-                    await self._blocking(s.engine.send_weights, update)
+                    await http_client.in_daemon_thread(s.engine.send_weights, update)
                 except ServerError as exc:
                     raise ServerError(f"loading weights v{update.version}: {exc}") from None
                 s.version = update.version
@@ -281,40 +281,7 @@ class HTTPGeneratorPool:
             if not s.updates_pending:
                 s.gate.set()
 
-    async def _blocking(self, fn, *args):
-        """`fn(*args)` on a daemon thread of its own (a hung call cannot hold up the loop or the process's exit)."""
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-
-        def run():
-            try:
-                result = fn(*args)
-            except BaseException as exc:  # handed to the awaiting coroutine, which records it
-                loop.call_soon_threadsafe(_settle, future, None, exc)
-            else:
-                loop.call_soon_threadsafe(_settle, future, result, None)
-
-        threading.Thread(target=run, daemon=True, name="async_rlhf-http-weights").start()
-        return await future
-
     def _fail(self, gid: int, reason: str) -> None:
         logger.error("%s failed: %s", self.describe(gid) if gid >= 0 else "generator servers", reason)
         with self._lock:
             self._failed.setdefault(gid, reason)
-
-
-def _settle(future: asyncio.Future, result, exc: BaseException | None) -> None:
-    if not future.done():  # cancelled meanwhile (close)
-        if exc is None:
-            future.set_result(result)
-        else:
-            future.set_exception(exc)
-
-
-def _trainer_engine(client: WeightSyncClient):
-    """vLLM's trainer-side engine for our `async_rlhf_shm` backend (its init calls `/init_weight_transfer_engine`)."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-
-    from async_rlhf.weight_sync.vllm_shm_engine import ShmTrainerInitInfo
-
-    return WeightTransferTrainerFactory.trainer_init(ShmTrainerInitInfo(rank=0), client=client)
