@@ -17,11 +17,9 @@ from transformers import TrainingArguments
 from async_rlhf.config_checks import ConfigError, check_dir, check_types  # noqa: F401 (ConfigError: re-exported)
 
 GENERATOR_BACKENDS = ("vllm", "transformers")
-WEIGHT_TRANSPORTS = ("auto", "shm", "broadcast")
 GENERATION_MODES = ("auto", "stream", "batch")
 WEIGHT_LOADS = ("drain", "in_flight")
 ASSIGNMENTS = ("tokens", "count")
-BROADCAST_BACKENDS = ("auto", "gloo", "nccl")
 REWARD_FAILURE_POLICIES = ("raise", "skip")
 ROLLOUT_TIMEOUT_MARGIN = 60  # seconds: rank 0 publishes weights and dispatches before it starts waiting for rollouts
 
@@ -129,30 +127,12 @@ class AsyncRLConfig(TrainingArguments):
     )
     generator_servers: list[str] | None = field(
         default=None,
-        metadata={"help": "'host:port' of generator servers started separately (`python -m "
-                  "async_rlhf.generation.server`, e.g. on other nodes). When set, no local generator is started "
-                  "(generator_devices is ignored) and weights go by broadcast. The shared token, if the servers "
+        metadata={"help": "'host:port' (or 'http://host:port') of vLLM servers started separately with `python -m "
+                  "async_rlhf.generation.serve`, driven over HTTP. When set, no local generator is started "
+                  "(generator_devices is ignored). Weights go through vLLM's weight-transfer routes as files in "
+                  "shm_dir, so the servers must run on learner rank 0's host. The bearer token, if the servers "
                   "need one, is read from the ASYNC_RLHF_GENERATOR_TOKEN environment variable (never a config "
                   "field: configs are saved with checkpoints)."},
-    )
-    weight_transport: str = field(
-        default="auto",
-        metadata={"help": "'shm' (safetensors in /dev/shm: local generators), 'broadcast' (a torch.distributed group "
-                  "of learner rank 0 and the generator servers) or 'auto' (broadcast with generator_servers, "
-                  "else shm)."},
-    )
-    weight_broadcast_backend: str = field(
-        default="auto",
-        metadata={"help": "Backend of the broadcast group: 'gloo', 'nccl' or 'auto' (nccl when the learner and "
-                  "every server are on CUDA, else gloo)."},
-    )
-    weight_broadcast_host: str | None = field(
-        default=None,
-        metadata={"help": "Address of learner rank 0 that the servers connect to for the broadcast group (None: "
-                  "the address this machine uses to reach the first server; loopback for local servers)."},
-    )
-    weight_broadcast_port: int = field(
-        default=0, metadata={"help": "TCP port of the broadcast group's rendezvous store on rank 0 (0: any free one)."}
     )
     shm_dir: str = field(default="/dev/shm", metadata={"help": "RAM-backed directory for the shm weight transport."})
     vllm_gpu_memory_utilization: float = field(default=0.55, metadata={"help": "vLLM GPU memory fraction."})
@@ -229,13 +209,13 @@ class AsyncRLConfig(TrainingArguments):
         )
         _require(self.generator_backend in GENERATOR_BACKENDS, "generator_backend",
                  f"{self.generator_backend!r} is not one of {GENERATOR_BACKENDS}")
-        _require(self.weight_transport in WEIGHT_TRANSPORTS, "weight_transport",
-                 f"{self.weight_transport!r} is not one of {WEIGHT_TRANSPORTS}")
         for name, allowed in (("generation_mode", GENERATION_MODES), ("weight_load", WEIGHT_LOADS),
                               ("generator_assignment", ASSIGNMENTS)):
             _require(getattr(self, name) in allowed, name, f"{getattr(self, name)!r} is not one of {allowed}")
         _require(self.generation_mode != "stream" or self.generator_backend == "vllm" or self.generator_servers,
                  "generation_mode", "'stream' needs generator_backend='vllm' (transformers samples whole batches)")
+        _require(self.weight_load == "drain" or not self.generator_servers, "weight_load",
+                 "'in_flight' is not available with generator_servers yet (their updates wait for running requests)")
         self._check_generator_servers()
         check_dir("shm_dir", self.shm_dir)
         _require(self.reward_failure in REWARD_FAILURE_POLICIES, "reward_failure",
@@ -289,24 +269,13 @@ class AsyncRLConfig(TrainingArguments):
         return self.generation_mode == "stream"
 
     def _check_generator_servers(self) -> None:
-        servers = self.generator_servers or []
-        for address in servers:
-            from async_rlhf.generation.wire import parse_address
+        from async_rlhf.generation.http_client import base_url
 
+        for address in self.generator_servers or []:
             try:
-                parse_address(address)
+                base_url(address)
             except ValueError as exc:
                 raise ConfigError(f"generator_servers: {exc}") from None
-        if servers:
-            _require(self.weight_transport in ("auto", "broadcast"), "weight_transport",
-                     f"{self.weight_transport!r} cannot reach generator servers; use 'broadcast' (or 'auto')")
-        else:
-            _require(self.weight_transport != "broadcast", "weight_transport",
-                     "'broadcast' needs generator_servers (local generator processes use 'shm')")
-        _require(self.weight_broadcast_backend in BROADCAST_BACKENDS, "weight_broadcast_backend",
-                 f"{self.weight_broadcast_backend!r} is not one of {BROADCAST_BACKENDS}")
-        _require(0 <= self.weight_broadcast_port < 65536, "weight_broadcast_port",
-                 f"must be in [0, 65535], got {self.weight_broadcast_port}")
 
     @property
     def prompts_per_step(self) -> int:

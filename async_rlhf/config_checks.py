@@ -42,7 +42,6 @@ RANGES = {
     "lam": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "vf_coef": (lambda v: v >= 0, ">= 0"),
     "cliprange_value": (lambda v: v > 0, "> 0"),
-    "weight_broadcast_host": (lambda v: v != "", "a host name or address (or None)"),
     "shm_dir": (lambda v: v != "", "a directory"),
 }
 TIMEOUT_FIELDS = ("generator_start_timeout", "rollout_timeout", "weight_sync_timeout")

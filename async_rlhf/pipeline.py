@@ -65,8 +65,8 @@ class RolloutPipeline:
         self.generator_model_path = generator_model_path
         self.engine_kwargs = engine_kwargs or {}
         self.queue = StalenessQueue(args.max_staleness)
-        self.pool: GeneratorPoolProtocol | None = None  # GeneratorPool, or RemoteGeneratorPool (generator_servers)
-        self.transport: WeightTransport | None = None  # ShmWeightTransport, or BroadcastWeightTransport (servers)
+        self.pool: GeneratorPoolProtocol | None = None  # GeneratorPool, or HTTPGeneratorPool (generator_servers)
+        self.transport: WeightTransport | None = None  # ShmWeightTransport (local generators and servers)
         self.queued_version = 0  # newest weights sent to the generators (derived: see the module docstring)
         self.next_dispatch = 0  # next batch id to send
         self.regenerated = 0
@@ -103,18 +103,15 @@ class RolloutPipeline:
         if initial_version >= self.total_steps:  # resumed from the final checkpoint: nothing left to generate
             return
         a = self.args
-        if a.generator_servers:  # started elsewhere (generation/server.py); same face as the pool, weights by broadcast
+        if a.generator_servers:  # vLLM servers started elsewhere (generation/serve.py), driven over HTTP
+            from async_rlhf.generation.http_pool import HTTPGeneratorPool
+            from async_rlhf.generation.serve import TOKEN_ENV
 
-            from async_rlhf.generation.remote import RemoteGeneratorPool
-            from async_rlhf.generation.wire import TOKEN_ENV
-            from async_rlhf.weight_sync.broadcast import BroadcastWeightTransport
-
-            self.transport = BroadcastWeightTransport(timeout=a.weight_sync_timeout)
-            self.pool = RemoteGeneratorPool(
+            self.transport = ShmWeightTransport(a.shm_dir)  # vLLM's weight routes load the learner's shm files
+            self.pool = HTTPGeneratorPool(
                 a.generator_servers, self._on_rollouts, self.transport, self.generator_model_path, initial_version,
-                a.generator_start_timeout, a.weight_sync_timeout, token=os.environ.get(TOKEN_ENV, ""),
-                broadcast_backend=a.weight_broadcast_backend, broadcast_host=a.weight_broadcast_host,
-                broadcast_port=a.weight_broadcast_port)
+                a.generator_start_timeout, a.weight_sync_timeout, request_timeout=a.rollout_timeout,
+                token=os.environ.get(TOKEN_ENV, ""), min_model_len=a.max_length)
         else:
             self.transport = ShmWeightTransport(a.shm_dir)
             specs = [

@@ -1,5 +1,5 @@
-"""Seconds per weight sync, by phase, for both transports: shared memory (local generators) and a gloo broadcast
-to a generator server (remote generators), against a plain tensor copy of the same bytes.
+"""Seconds per weight sync, by phase: shared memory into a local generator, the same file loaded by a vLLM server
+over its weight routes (remote generators), and the wire time of a gloo broadcast, against a plain tensor copy.
 
     python benchmarks/weight_broadcast.py                      # tiny and ~100M-parameter Llamas (a few minutes)
     python benchmarks/weight_broadcast.py --sizes tiny --repeats 5
@@ -9,19 +9,18 @@ Phases, as the pipeline logs them (median of --repeats syncs after a warm-up; GB
   shm write   `ShmWeightTransport.publish`: safetensors into /dev/shm (blocks the learner)
   shm load    the vLLM generator loads that file (`VLLMBackend.load_weights`: vLLM's native weight-transfer calls
               with our "async_rlhf_shm" backend, which maps the file and feeds vLLM's layerwise reload)
-  bc send     the gloo broadcast of the same tensors to a process that only receives: the wire alone
-  bc load     a vLLM generator server receiving and reloading them tensor by tensor (receive and reload overlap;
-              off the learner's path: rank 0's sender thread broadcasts while training goes on)
-  bc sync     publish -> the server's acknowledgement, end to end
+  http load   a vLLM server (`python -m async_rlhf.generation.serve`) loading the shm file through its weight
+              routes, driven by the trainer's own `HTTPGeneratorPool` (vLLM's trainer-side engine, four HTTP calls)
+  http sync   publish -> the server's acknowledgement, end to end
+  bc send     the gloo broadcast of the same tensors to a process that only receives: the wire alone (the broadcast
+              transport is no longer used by the trainer; kept as the cross-host CPU reference)
   copy        one `tensor.copy_` of the same number of bytes: the memory-bandwidth floor
-The table has one line per transport: transfer is "shm write" or "bc send", load "shm load" or "bc load", sync the
-whole update as a generator sees it (shm: gather + write + load; broadcast: gather + bc sync), x copy that sync
-time over the copy time, and blocked what the learner waits for (shm: gather + write; broadcast: gather, the rest
-runs on the sender thread). Below the table, the shm load split into the engine's start / update / finish calls,
-and whether the generator's log-probs equal the learner's after a sync (see weight_load.py). The shm
-numbers come from benchmarks/weight_load.py (one subprocess per size, its own engine); the broadcast ones from a
-real `python -m async_rlhf.generation.server` process driven by the trainer's own `RemoteGeneratorPool` over
-loopback.
+The table has one line per path: transfer is "shm write", load "shm load" or "http load", sync the whole update as
+a generator sees it (gather + write + load, or gather + write + http sync), x copy that sync time over the copy
+time, and blocked what the learner waits for (gather + write: the load runs in the generator). Below the table,
+the broadcast's wire time, the shm load split into the engine's start / update / finish calls, and whether the
+generator's log-probs equal the learner's after a sync (see weight_load.py). The shm numbers come from
+benchmarks/weight_load.py (one subprocess per size, its own engine); the http ones from a real server on loopback.
 """
 
 from __future__ import annotations
@@ -95,12 +94,13 @@ def broadcast_send_seconds(state: dict, repeats: int, threads: int) -> float:
 
 
 def start_server(model_dir: str, threads: int) -> tuple[subprocess.Popen, str]:
-    from async_rlhf.generation.server import READY_LINE
+    from async_rlhf.generation.serve import READY_LINE
 
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "async_rlhf.generation.server", "--model", model_dir, "--port",
-                             "0", "--dtype", "float32", "--kv_cache_memory_mb", "64", "--threads", str(threads)],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "async_rlhf.generation.serve", "--model", model_dir, "--port",
+                             "0", "--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     for line in proc.stdout:
         if line.startswith(READY_LINE):
             threading_drain(proc)
@@ -115,12 +115,11 @@ def threading_drain(proc: subprocess.Popen) -> None:
     threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
 
 
-def measure_broadcast(size: str, repeats: int, threads: int) -> dict:
+def measure_http(size: str, repeats: int, threads: int) -> dict:
     import torch
 
-    from async_rlhf.generation.remote import RemoteGeneratorPool
-    from async_rlhf.weight_sync import gather_full_state
-    from async_rlhf.weight_sync.broadcast import BroadcastWeightTransport
+    from async_rlhf.generation.http_pool import HTTPGeneratorPool
+    from async_rlhf.weight_sync import ShmWeightTransport, gather_full_state
 
     torch.set_num_threads(threads)
     model, tokenizer = build(size)
@@ -133,24 +132,26 @@ def measure_broadcast(size: str, repeats: int, threads: int) -> dict:
         model.save_pretrained(model_dir)
         tokenizer.save_pretrained(model_dir)
         server, address = start_server(model_dir, threads)
-        transport = BroadcastWeightTransport("gloo", timeout=600)
-        pool = RemoteGeneratorPool([address], lambda batch: None, transport, model_dir, 0, 600, 600)
+        transport = ShmWeightTransport("/dev/shm")
+        pool = HTTPGeneratorPool([address], lambda batch: None, transport, model_dir, 0, 600, 600, 600)
         try:
-            pool.start()  # pushes v0: the warm-up
+            pool.start()
             ends, loads = [], []
-            for version in range(1, repeats + 1):
+            for version in range(1, repeats + 2):  # the first one is the warm-up
                 t0 = time.perf_counter()
                 pool.send_weights(transport.publish(state, version))
                 while pool.acks.min_loaded_version() < version:
                     pool.check()
                     time.sleep(0.0005)
-                ends.append(time.perf_counter() - t0)
-                loads.append(pool.acks.load_seconds[-1])
-            row["bc_load"], row["bc_sync"] = statistics.median(loads), statistics.median(ends)
+                transport.release(version)
+                if version > 1:
+                    ends.append(time.perf_counter() - t0)
+                    loads.append(pool.acks.load_seconds[-1])
+            row["http_load"], row["http_sync"] = statistics.median(loads), statistics.median(ends)
         finally:
             pool.close()
             transport.close()
-            server.send_signal(signal.SIGTERM)
+            os.killpg(server.pid, signal.SIGTERM)
             server.wait(60)
     return row
 
@@ -175,7 +176,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     for size in args.sizes:
-        row = measure_broadcast(size, args.repeats, args.threads)
+        row = measure_http(size, args.repeats, args.threads)
         row.update(measure_shm(size, args.repeats, args.threads))
         rows.append(row)
         print("ROW " + json.dumps(row), flush=True)
@@ -186,19 +187,21 @@ def main() -> None:
 
 
 def print_table(rows: list[dict]) -> None:
-    """One line per size and transport: seconds and GB/s per phase; `blocked` is what the learner waits for."""
-    print(f"{'size':>5} {'MB':>6} {'transport':>9} | {'gather s':>9} {'GB/s':>5} | {'transfer s':>10} {'GB/s':>5} | "
+    """One line per size and path: seconds and GB/s per phase; `blocked` is what the learner waits for."""
+    print(f"{'size':>5} {'MB':>6} {'path':>9} | {'gather s':>9} {'GB/s':>5} | {'transfer s':>10} {'GB/s':>5} | "
           f"{'load s':>7} {'GB/s':>5} | {'sync s':>7} {'GB/s':>5} {'x copy':>6} | {'blocked s':>9}")
     for r in rows:
         gb = r["mb"] / 1e3
-        lines = [("shm", r["shm_write"], r["shm_load"], r["gather"] + r["shm_write"] + r["shm_load"],
-                  r["gather"] + r["shm_write"]),
-                 ("broadcast", r["bc_send"], r["bc_load"], r["gather"] + r["bc_sync"], r["gather"])]
+        blocked = r["gather"] + r["shm_write"]  # the load runs in the generator while the learner trains
+        lines = [("shm", r["shm_write"], r["shm_load"], blocked + r["shm_load"], blocked),
+                 ("http", r["shm_write"], r["http_load"], blocked + r["http_sync"], blocked)]
         for name, transfer, load, total, blocked in lines:
             print(f"{r['size']:>5} {r['mb']:>6.1f} {name:>9} | {r['gather']:>9.4f} {gb / r['gather']:>5.2f} | "
                   f"{transfer:>10.4f} {gb / transfer:>5.2f} | {load:>7.4f} {gb / load:>5.2f} | {total:>7.4f} "
                   f"{gb / total:>5.2f} {total / r['copy']:>6.1f} | {blocked:>9.4f}")
         print(f"{r['size']:>5} {r['mb']:>6.1f} {'copy':>9} | {'':>15} | {r['copy']:>10.4f} {gb / r['copy']:>5.2f} |")
+        print(f"{r['size']:>5} gloo broadcast wire alone (no consumer): {r['bc_send']:.4f} s "
+              f"({gb / r['bc_send']:.2f} GB/s)")
     for r in rows:
         print(f"{r['size']}: shm load = engine start {r['shm_start']:.4f} s + update {r['shm_update']:.4f} s + finish "
               f"{r['shm_finish']:.4f} s (the previous reload_weights path: {r['shm_reload']:.4f} s); generator "

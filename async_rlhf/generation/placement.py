@@ -62,7 +62,7 @@ def check_context_length(args: AsyncRLConfig, model_config) -> None:
 def check_shm_space(args: AsyncRLConfig, model_path: str | None) -> None:
     """Two copies of the weights must fit in `shm_dir`: the version generators load and the next one (older versions
     are deleted once every generator has moved on). Only known before loading when the policy is a local directory."""
-    if args.generator_servers or not model_path or not os.path.isdir(model_path):
+    if not model_path or not os.path.isdir(model_path):
         return
     weights = sum(os.path.getsize(os.path.join(model_path, n)) for n in os.listdir(model_path)
                   if n.endswith((".safetensors", ".bin")))

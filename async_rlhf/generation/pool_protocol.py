@@ -4,7 +4,8 @@ weight acknowledgements that every pool shares.
 A pool lives on learner rank 0 and is driven by `pipeline.py` from the main thread (`start`, `send_request`,
 `send_weights`, `check`, `close`), while a reader thread of the pool's own hands finished rollouts to the
 `on_rollouts` callback it was built with. Two pools implement it: `GeneratorPool` (generator processes on this
-machine, `pool.py`) and `RemoteGeneratorPool` (generator servers elsewhere, `remote.py`).
+machine, `pool.py`) and `HTTPGeneratorPool` (vLLM servers started separately, `http_pool.py`; its "reader" is an
+event-loop thread).
 
 Guarantees every pool gives the pipeline:
 * each generator receives its messages in the order sent, and tags every rollout with the version of the weights

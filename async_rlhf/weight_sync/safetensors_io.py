@@ -71,3 +71,44 @@ def map_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         if (start + begin) % dtype.itemsize:  # safetensors aligns its tensors; a hand-made file might not
             raw = raw.clone()
         yield name, raw.view(dtype).reshape(info["shape"])
+
+
+def state_from_model_dir(path: str) -> dict[str, torch.Tensor]:
+    """The state dict a learner would gather, read from a saved model directory (safetensors, one file or shards).
+
+    Used to push the starting weights (version 0, or a checkpoint's) to generators that did not start from this
+    directory. `save_pretrained` leaves out tied copies (e.g. `lm_head.weight` when tied to the embeddings); they
+    are filled back in from the tensor they share storage with in the model's own `state_dict()`, built on the meta
+    device from the config, so the names match what `gather_full_state` sends."""
+    import json
+    import os
+
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    index = os.path.join(path, "model.safetensors.index.json")  # only the policy's files: a checkpoint may hold others
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted({os.path.join(path, name) for name in json.load(f)["weight_map"].values()})
+    else:
+        files = [os.path.join(path, "model.safetensors")]
+    if not all(os.path.isfile(file) for file in files):
+        raise FileNotFoundError(f"{path}: no model.safetensors (or index) to send to the generators (save the "
+                                "model with safetensors, or consolidate a sharded DeepSpeed checkpoint first)")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(file))
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    reference = model.state_dict(keep_vars=True)
+    by_identity = {id(t): n for n, t in reference.items() if n in state}
+    ordered = {}
+    for name, tensor in reference.items():
+        if name in state:
+            ordered[name] = state[name]
+        elif id(tensor) in by_identity:
+            ordered[name] = state[by_identity[id(tensor)]]
+        else:
+            raise ValueError(f"{path}: weight {name!r} is missing from the safetensors files")
+    return ordered

@@ -7,8 +7,9 @@ pipeline turns either into the run's failure path). `release(version)` says ever
 may be freed. `stats()` gives the transport's own metrics (stage-named, e.g. `sync/broadcast_seconds`); `close()`
 frees everything the transport holds and is idempotent.
 
-Implementations: `shm.ShmWeightTransport` (RAM-backed files for generator processes on this machine) and
-`broadcast.BroadcastWeightTransport` (a torch.distributed group with generator servers elsewhere).
+Implementations: `shm.ShmWeightTransport` (RAM-backed files on this machine, for generator processes and for vLLM
+servers, which load them through vLLM's weight routes) and `broadcast.BroadcastWeightTransport` (a torch.distributed
+group; no longer used by the trainer, kept for benchmarks/weight_broadcast.py).
 """
 
 from __future__ import annotations

@@ -49,13 +49,11 @@ def test_ack_tracker_times_out_naming_the_generator_and_skips_restarting_ones():
     assert not acks.waiting() and acks.load_seconds == [0.01]
 
 
-def test_remote_pool_check_raises_on_an_unacknowledged_update():
-    """`RemoteGeneratorPool.check` used to keep its acknowledgement timeout after a `raise` (never ran)."""
-    from async_rlhf.generation.remote import RemoteGeneratorPool
-    from async_rlhf.weight_sync.broadcast import BroadcastWeightTransport
+def test_http_pool_check_raises_on_an_unacknowledged_update():
+    from async_rlhf.generation.http_pool import HTTPGeneratorPool
 
-    pool = RemoteGeneratorPool(["127.0.0.1:9"], lambda batch: None, BroadcastWeightTransport(), "/nonexistent",
-                               initial_version=0, start_timeout=1.0, weight_sync_timeout=0.05)
+    pool = HTTPGeneratorPool(["127.0.0.1:9"], lambda batch: None, None, "/nonexistent", initial_version=0,
+                             start_timeout=1.0, weight_sync_timeout=0.05, request_timeout=1.0)
     pool.acks.sent(0, 3)
     pool.check()
     time.sleep(0.1)

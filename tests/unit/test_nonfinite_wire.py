@@ -1,4 +1,4 @@
-"""NaN and +-inf are refused where numbers come from outside a process (generator-server frames, messages from other
+"""NaN and +-inf are refused where numbers come from outside a process (generator-server answers, messages from other
 ranks, checkpoints) and are never written by us; a locally generated batch with a non-finite behaviour log-prob fails
 on rank 0 naming its generator."""
 
@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 
 import pytest
 
 from async_rlhf import checkpointing
-from async_rlhf.generation import wire
+from async_rlhf.generation import http_client
 from async_rlhf.generation.pool_protocol import GeneratorFailed
 from async_rlhf.pipeline import check_logprobs_finite
 from async_rlhf.types import Completion, FieldError, GenerationRequest, RolloutBatch, SamplingSettings
-from async_rlhf.weight_sync.broadcast import GroupInfo
 
 SETTINGS = SamplingSettings(max_new_tokens=4, temperature=0.9, top_p=1.0, top_k=-1, n=1, seed=7)
 REQUEST = GenerationRequest(batch_id=3, prompt_ids=[5], prompt_token_ids=[[2, 40]], settings=SETTINGS)
@@ -27,28 +25,24 @@ def batch(logprob: float, generator_id: int = 2) -> RolloutBatch:
                         seconds=0.5)
 
 
-def test_frames_with_nan_or_infinity_are_refused():
-    for constant in (b"NaN", b"Infinity", b"-Infinity"):
-        body = b'{"kind":"rollouts","seconds":' + constant + b"}"
-        a, b = socket.socketpair()
-        with a, b:
-            a.sendall(len(body).to_bytes(4, "big") + body)
-            with pytest.raises(wire.ProtocolError, match=f"frame holds {constant.decode()}"):
-                wire.recv_frame(b)
+def choice(logprobs: list, index: int = 0) -> dict:
+    return {"index": index, "token_ids": [4, 1][:len(logprobs)], "finish_reason": "stop",
+            "logprobs": {"token_logprobs": logprobs}}
 
 
-def test_we_never_send_a_non_finite_number():
-    a, b = socket.socketpair()
-    with a, b, pytest.raises(ValueError, match="not JSON compliant"):
-        wire.send_frame(a, {"kind": "rollouts", "seconds": math.nan})
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_server_answers_with_nan_or_infinity_are_refused(constant):
+    text = '{"choices": [{"index": 0, "token_ids": [4], "logprobs": {"token_logprobs": [%s]}}]}' % constant
+    with pytest.raises(http_client.ServerError, match=f"not valid JSON.*non-finite number {constant}"):
+        http_client.parse_json(text, "/v1/completions")
 
 
-@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
-def test_rollouts_with_a_non_finite_logprob_are_refused_naming_the_field(value):
-    frame = {**batch(-1.0).to_dict(), "kind": "rollouts", "prompt_token_ids": []}
-    frame["completions"][0][0]["logprobs"][1] = value  # as a peer's json.loads would produce it
-    with pytest.raises(FieldError, match=rf"completion.logprobs: expected a finite number, got {value}"):
-        wire.decode_rollouts(frame, REQUEST, generator_id=0)
+@pytest.mark.parametrize("value", [None, -9999.0, "-1.0", True, math.nan])
+def test_completions_with_a_non_finite_logprob_are_refused(value):
+    """vLLM writes NaN as null and clamps -inf to -9999.0; a string or bool is not a log-prob either."""
+    assert http_client.parse_completions({"choices": [choice([-0.5, -1.0])]}, 1)[0].logprobs == [-0.5, -1.0]
+    with pytest.raises(http_client.ServerError, match=r"non-finite behaviour log-prob .* sample 0, token 1"):
+        http_client.parse_completions({"choices": [choice([-0.5, value])]}, 1)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -58,17 +52,10 @@ def test_rollouts_with_a_non_finite_logprob_are_refused_naming_the_field(value):
     ({"temperature": -1.0}, "temperature -1.0 must be >= 0"),
 ])
 def test_requests_with_non_finite_or_out_of_range_settings_are_refused(change, message):
-    frame = wire.encode_request(REQUEST)
+    frame = REQUEST.to_dict()
     frame["settings"] = {**frame["settings"], **change}
     with pytest.raises(FieldError, match=message):
-        wire.decode_request(frame)
-
-
-def test_group_info_with_an_infinite_timeout_is_refused():
-    info = GroupInfo(host="127.0.0.1", port=2345, rank=1, world_size=2, backend="gloo", timeout=10.0, prefix="p/")
-    for bad in (math.inf, math.nan, 0.0):
-        with pytest.raises(ValueError, match="timeout must be a finite number of seconds > 0"):
-            GroupInfo.from_dict({**info.to_dict(), "timeout": bad})
+        GenerationRequest.from_dict(frame)
 
 
 def test_checkpoint_is_written_and_read_as_strict_json(tmp_path):
