@@ -99,6 +99,13 @@ class AsyncRLConfig(TrainingArguments):
                   "token load: each prompt's earlier completion lengths, else the run's mean, counting what each "
                   "generator still has in flight) or 'count' (equal numbers of prompts)."},
     )
+    score_while_generating: bool = field(
+        default=True,
+        metadata={"help": "Learner rank 0 scores each part of a batch (a prompt group when streaming) with the reward "
+                  "functions as soon as it arrives, while the rest is still being generated (RLHFuse's inter-stage "
+                  "fusion); False: every rank scores its share of the batch inside the training step. Off under "
+                  "DeepSpeed (a partitioned reward model needs every rank for each forward)."},
+    )
     generator_devices: list[str] = field(
         default_factory=lambda: ["cpu"],
         metadata={"help": "One entry per generator process: 'cpu' or 'cuda:<i>' (must not be a learner's GPU)."},

@@ -31,13 +31,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import logging
 import os
 import threading
 import time
+from typing import Callable
 
-import torch
 
 from async_rlhf.generation.assignment import LengthEstimator, assign, imbalance
 from async_rlhf.generation.pool import GeneratorPool
@@ -48,13 +47,18 @@ from async_rlhf.staleness_queue import StageTimeout, StalenessQueue
 from async_rlhf.types import GenerationRequest, RolloutBatch, SamplingSettings
 from async_rlhf.weight_sync import ShmWeightTransport, gather_full_state
 from async_rlhf.weight_sync.transport import WeightTransport, WeightTransportError
+from async_rlhf.rank_share import check_logprobs_finite, share_batch
+from async_rlhf.scoring import RewardError
+from async_rlhf.scoring_stage import ScoringStage
 
 logger = logging.getLogger(__name__)
 
 
 class RolloutPipeline:
     def __init__(self, args, prompt_token_ids: list[list[int]], generator_model_path: str, accelerator,
-                 total_steps: int, settings: SamplingSettings, engine_kwargs: dict | None = None):
+                 total_steps: int, settings: SamplingSettings, engine_kwargs: dict | None = None,
+                 score: Callable[[RolloutBatch], RolloutBatch] | None = None):
+        """`score`: score a part on rank 0 as it arrives (`scoring_stage.py`); None: the learner scores batches."""
         self.args = args
         self.accelerator = accelerator
         self.is_main = accelerator.is_main_process
@@ -81,6 +85,8 @@ class RolloutPipeline:
         self.restarts = 0
         self._partial: dict[int, dict[int, RolloutBatch]] = {}  # batch id -> chunk -> rollouts (reader thread)
         self._sync_failure: GeneratorFailed | None = None  # a failed publish, raised by the next batch_for_step
+        self._score = score
+        self.scoring: ScoringStage | None = None
         self.lengths = LengthEstimator(settings.max_new_tokens)  # observed by the reader thread, read by dispatch
         self.pool_size = 0  # generators, once started
         self._in_flight_tokens = collections.defaultdict(float)  # generator -> expected tokens sent, not returned
@@ -102,6 +108,8 @@ class RolloutPipeline:
                 self.queue.put(batch)
         if initial_version >= self.total_steps:  # resumed from the final checkpoint: nothing left to generate
             return
+        if self._score is not None:
+            self.scoring = ScoringStage(self._score, self._assemble)
         a = self.args
         if a.generator_servers:  # vLLM servers started elsewhere (generation/serve.py), driven over HTTP
             from async_rlhf.generation.http_pool import HTTPGeneratorPool
@@ -143,6 +151,8 @@ class RolloutPipeline:
         if self.transport is not None:
             self.transport.close()
             self.transport = None
+        if self.scoring is not None:
+            self.scoring.close()
 
     def begin_stop(self) -> None:
         """The run is stopping (SIGINT/SIGTERM): the pool restarts no generator from now on. Signal-handler safe."""
@@ -163,12 +173,12 @@ class RolloutPipeline:
                 while batch is None:
                     self._dispatch()
                     batch = self.queue.get(step, learner_version=step, timeout=self.args.rollout_timeout,
-                                           poll=self.pool.check)
+                                           poll=self._check)
                     if batch is None:  # arrived too stale: regenerate with the current weights
                         self.regenerated += 1
                         self._send(step)
                 check_logprobs_finite(batch)
-            except (GeneratorFailed, StageTimeout) as exc:
+            except (GeneratorFailed, StageTimeout, RewardError) as exc:
                 if self.accelerator.num_processes == 1:
                     raise
                 failure = exc
@@ -202,6 +212,12 @@ class RolloutPipeline:
             self.timers["sync_transfer"] += time.perf_counter() - t1
         if self.is_main:
             self._dispatch()
+
+    def _check(self) -> None:
+        """Rank 0, while it waits for rollouts: a failed generator, an overdue stage or a failed scoring raises."""
+        self.pool.check()
+        if self.scoring is not None:
+            self.scoring.check()
 
     def _publish_failure(self, version: int, exc: Exception) -> Exception:
         """The failure a publish error becomes: the pool's own account when it has one (a broadcast fails when a
@@ -269,10 +285,17 @@ class RolloutPipeline:
                 self._in_flight_tokens[owner] -= expected
             for prompt_id, group in zip(part.prompt_ids, part.completions):
                 self.lengths.observe(prompt_id, [len(c.token_ids) for c in group])
+        if self.scoring is not None:
+            self.scoring.submit(part)  # scored on its thread, which then assembles it
+        else:
+            self._assemble(part)
+
+    def _assemble(self, part: RolloutBatch) -> bool:
+        """Reassemble a batch from its parts; a complete batch goes into the staleness queue (returns True)."""
         parts = self._partial.setdefault(part.batch_id, {})
         parts[part.chunk] = part
         if len(parts) < part.num_chunks:
-            return
+            return False
         del self._partial[part.batch_id]
         ordered = [parts[c] for c in range(part.num_chunks)]
         if part.num_chunks > 1 and self.pool_size > 1:
@@ -284,13 +307,18 @@ class RolloutPipeline:
             self.imbalance_sums[2] += 1
         if part.num_chunks == 1:
             self.queue.put(part)
-            return
+            return True
+        scored = all(p.rewards for p in ordered)
         self.queue.put(RolloutBatch(
             batch_id=part.batch_id, generator_id=-1, policy_version=min(p.policy_version for p in ordered),
             prompt_ids=[i for p in ordered for i in p.prompt_ids],
             prompt_token_ids=[t for p in ordered for t in p.prompt_token_ids],
             completions=[c for p in ordered for c in p.completions],
-            seconds=max(p.seconds for p in ordered)))
+            seconds=max(p.seconds for p in ordered),
+            rewards=[r for p in ordered for r in p.rewards] if scored else [],
+            reward_components={name: [r for p in ordered for r in p.reward_components[name]]
+                               for name in ordered[0].reward_components} if scored else {}))
+        return True
 
     # ---- checkpoint state ------------------------------------------------------------------------------------
     def counters(self) -> dict:
@@ -338,48 +366,7 @@ class RolloutPipeline:
         if self.transport is not None:
             out.update(self.transport.stats())
         out["sync/load_seconds"] = self.load_seconds
+        if self.scoring is not None:
+            out["scoring/seconds"] = self.scoring.seconds
+            out["scoring/hidden_fraction"] = self.scoring.hidden_fraction
         return out
-
-
-def share_batch(batch: RolloutBatch | None, failure: Exception | None, device) -> RolloutBatch:
-    """Rank 0's batch on every rank, or rank 0's failure (`GeneratorFailed` or `StageTimeout`, same message) raised on
-    every rank, so that all ranks leave the training loop at the same step. Other ranks pass (None, None)."""
-    message = None
-    if torch.distributed.get_rank() == 0:
-        message = ({"failure": type(failure).__name__, "message": str(failure)} if failure is not None
-                   else {"batch": batch.to_dict()})
-    message = broadcast_json(message, device)
-    if "failure" in message:
-        if failure is not None:
-            raise failure
-        raise {"GeneratorFailed": GeneratorFailed}.get(message["failure"], StageTimeout)(message["message"])
-    return RolloutBatch.from_dict(message["batch"])
-
-
-def check_logprobs_finite(batch: RolloutBatch) -> None:
-    """A sampled token has a finite behaviour log-prob; a NaN/inf one means the generator's numerics are broken. The
-    batch is refused on rank 0 as a generator failure (raised on every rank, checkpoint saved) instead of reaching the
-    loss, the other ranks (whose `from_dict` would refuse it) or a checkpoint."""
-    bad = batch.first_nonfinite_logprob()
-    if bad is not None:
-        p, i, t, value = bad
-        who = f"generator {batch.generator_id}" if batch.generator_id >= 0 else "a generator"  # -1: merged chunks
-        raise GeneratorFailed(f"{who}: batch {batch.batch_id} (policy version "
-                              f"{batch.policy_version}) has a non-finite behaviour log-prob {value} at prompt "
-                              f"{batch.prompt_ids[p]}, completion {i}, token {t}; check the generator's dtype/backend")
-
-
-def broadcast_json(message: dict | None, device) -> dict:
-    """Rank 0's `message` on every rank, sent as JSON bytes over the default group: learner ranks may sit on other
-    machines, and nothing received from the network is unpickled (`broadcast_object_list` would unpickle)."""
-    is_src = torch.distributed.get_rank() == 0
-    if is_src:
-        data = torch.frombuffer(bytearray(json.dumps(message, allow_nan=False).encode()), dtype=torch.uint8).to(device)
-        size = torch.tensor([data.numel()], dtype=torch.long, device=device)
-    else:
-        size = torch.zeros(1, dtype=torch.long, device=device)
-    torch.distributed.broadcast(size, src=0)
-    if not is_src:
-        data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    torch.distributed.broadcast(data, src=0)
-    return json.loads(data.cpu().numpy().tobytes())

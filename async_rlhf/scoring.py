@@ -14,6 +14,7 @@ in `raised[name]` (metric `rewards/<name>/raised`), so a reward that always fail
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import math
 from typing import Any, Callable
@@ -125,12 +126,57 @@ class RewardScorer:
 
 def score_rows(batch: RolloutBatch, rows: range, scorer: RewardScorer, tokenizer,
                dataset_row: Callable[[int], dict]) -> tuple[list[ScoredGroup], dict[str, float]]:
-    """The prompts `rows` of `batch` with their completions scored, and this scoring's metrics.
+    """The prompts `rows` of `batch` with their completions scored, and this scoring's metrics. A batch that arrives
+    already scored (`batch.rewards`, see `score_part`) is not scored again.
 
     `dataset_row(prompt_id)` returns the prompt's dataset row: its `prompt` (text or chat messages) is what the
     reward sees (the exact text the policy was conditioned on), every other column is passed to reward functions
     by name, as TRL does. Metrics: `rewards/<name>/mean` per reward function (finite scores only),
     `val/contain_eos_token`, `generator/completion_length`."""
+    eos = tokenizer.eos_token_id
+    if batch.rewards:
+        scores = [_nan(v) for r in rows for v in batch.rewards[r]]
+        per_func = {name: [_nan(v) for r in rows for v in values[r]] for name, values in batch.reward_components.items()}
+    else:
+        scores, per_func = _score(batch, rows, scorer, tokenizer, dataset_row)
+    completions = [c for r in rows for c in batch.completions[r]]
+    finished = [_finished(c, eos) for c in completions]
+    metrics = {}
+    for name, values in per_func.items():
+        finite = [v for v in values if math.isfinite(v)]
+        metrics[f"rewards/{name}/mean"] = sum(finite) / len(finite) if finite else 0.0
+    for name, count in scorer.raised.items():
+        metrics[f"rewards/{name}/raised"] = float(count)  # cumulative, on the rank that scored
+    metrics["val/contain_eos_token"] = sum(finished) / len(finished)
+    metrics["generator/completion_length"] = sum(len(c.token_ids) for c in completions) / len(completions)
+    n = len(batch.completions[rows[0]]) if len(rows) else 0
+    groups = [ScoredGroup(prompt_id=batch.prompt_ids[r], prompt_token_ids=batch.prompt_token_ids[r],
+                          completions=batch.completions[r], rewards=scores[i * n:(i + 1) * n],
+                          policy_version=batch.policy_version)
+              for i, r in enumerate(rows)]
+    return groups, metrics
+
+
+def score_part(part: RolloutBatch, scorer: RewardScorer, tokenizer, dataset_row: Callable[[int], dict]) -> RolloutBatch:
+    """`part` with every completion scored (`rewards`, `reward_components`; None where skipped): what learner rank 0
+    does as each part arrives while the rest of the batch is still being generated (inter-stage fusion)."""
+    rows = range(len(part.prompt_ids))
+    scores, per_func = _score(part, rows, scorer, tokenizer, dataset_row)
+
+    def shaped(values: list[float]) -> list[list[float | None]]:
+        out, i = [], 0
+        for group in part.completions:
+            out.append([None if math.isnan(v) else v for v in values[i:i + len(group)]])
+            i += len(group)
+        return out
+
+    return dataclasses.replace(part, rewards=shaped(scores),
+                               reward_components={name: shaped(v) for name, v in per_func.items()})
+
+
+def _score(batch: RolloutBatch, rows: range, scorer: RewardScorer, tokenizer,
+           dataset_row: Callable[[int], dict]) -> tuple[list[float], dict[str, list[float]]]:
+    """(combined score per completion of `rows`, NaN where skipped; each reward function's raw scores)."""
     eos = tokenizer.eos_token_id
     prompts, completions, comp_ids, finished, pids = [], [], [], [], []
     columns: dict[str, list] = {}
@@ -142,26 +188,21 @@ def score_rows(batch: RolloutBatch, rows: range, scorer: RewardScorer, tokenizer
             prompts.append(text)
             completions.append(tokenizer.decode(c.token_ids, skip_special_tokens=True))
             comp_ids.append(c.token_ids)
-            finished.append(c.finish_reason == "stop" or (len(c.token_ids) > 0 and c.token_ids[-1] == eos))
+            finished.append(_finished(c, eos))
             pids.append(pid)
             for name, value in row.items():
                 if name != "prompt":
                     columns.setdefault(name, []).append(value)
     scores, per_func = scorer.score(prompts, completions, comp_ids, finished, pids, columns)
-    metrics = {}
-    for name, values in per_func.items():
-        finite = [v for v in values if math.isfinite(v)]
-        metrics[f"rewards/{name}/mean"] = sum(finite) / len(finite) if finite else 0.0
-    for name, count in scorer.raised.items():
-        metrics[f"rewards/{name}/raised"] = float(count)  # cumulative, on this rank
-    metrics["val/contain_eos_token"] = sum(finished) / len(finished)
-    metrics["generator/completion_length"] = sum(len(c) for c in comp_ids) / len(comp_ids)
-    n = len(batch.completions[rows[0]]) if len(rows) else 0
-    groups = [ScoredGroup(prompt_id=batch.prompt_ids[r], prompt_token_ids=batch.prompt_token_ids[r],
-                          completions=batch.completions[r], rewards=scores[i * n:(i + 1) * n].tolist(),
-                          policy_version=batch.policy_version)
-              for i, r in enumerate(rows)]
-    return groups, metrics
+    return scores.tolist(), per_func
+
+
+def _finished(c, eos: int) -> bool:
+    return c.finish_reason == "stop" or (len(c.token_ids) > 0 and c.token_ids[-1] == eos)
+
+
+def _nan(v: float | None) -> float:
+    return float("nan") if v is None else v
 
 
 def best_and_worst(rewards: list[float]) -> tuple[int, int] | None:

@@ -141,6 +141,10 @@ class RolloutBatch:
     seconds: float  # generation wall time
     chunk: int = 0
     num_chunks: int = 1
+    # filled on learner rank 0 as each part arrives, when scoring overlaps generation (`pipeline.py`); empty: the
+    # learner scores the batch itself. [P][n] combined reward (None: skipped), and each reward function's raw scores.
+    rewards: list[list[float | None]] = field(default_factory=list)
+    reward_components: dict[str, list[list[float | None]]] = field(default_factory=dict)
     kind = "rollouts"
 
     @property
@@ -168,13 +172,21 @@ class RolloutBatch:
     @classmethod
     def from_dict(cls, d) -> RolloutBatch:
         """The one reader of `to_dict()`'s output: checkpoints, other learner ranks and the network all use it."""
+        if isinstance(d, dict):  # written before rewards could travel with the rollouts
+            d = {"rewards": [], "reward_components": {}, **d}
+        scores = list_of(list_of(optional(number)))
         f = check_fields(d, "rollouts", {
             "batch_id": nonneg, "generator_id": integer, "policy_version": nonneg, "prompt_ids": list_of(nonneg),
             "prompt_token_ids": list_of(list_of(nonneg)), "completions": list_of(list_of(Completion.from_dict)),
-            "seconds": number, "chunk": nonneg, "num_chunks": nonneg}, ignore=("kind", "token"))
+            "seconds": number, "chunk": nonneg, "num_chunks": nonneg, "rewards": scores,
+            "reward_components": dict_of(scores)}, ignore=("kind", "token"))
         if not len(f["prompt_ids"]) == len(f["prompt_token_ids"]) == len(f["completions"]):
             raise FieldError(f"rollouts: {len(f['prompt_ids'])} prompt ids, {len(f['prompt_token_ids'])} prompts and "
                              f"{len(f['completions'])} completion groups")
+        shape = [len(g) for g in f["completions"]]
+        for name, values in [("rewards", f["rewards"]), *f["reward_components"].items()]:
+            if values and [len(g) for g in values] != shape:
+                raise FieldError(f"rollouts: {name} has shape {[len(g) for g in values]}, completions {shape}")
         return cls(**f)
 
 
@@ -274,6 +286,14 @@ def list_of(item: Callable) -> Callable:
         if not isinstance(x, list):
             raise TypeError(f"expected a list, got {type(x).__name__}")
         return [item(v) for v in x]
+    return check
+
+
+def dict_of(item: Callable) -> Callable:
+    def check(x):
+        if not isinstance(x, dict) or not all(isinstance(k, str) for k in x):
+            raise TypeError(f"expected an object with string keys, got {type(x).__name__}")
+        return {k: item(v) for k, v in x.items()}
     return check
 
 

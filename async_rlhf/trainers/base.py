@@ -33,7 +33,7 @@ from async_rlhf.generation.placement import (check_context_length, check_generat
 from async_rlhf.generation.pool_protocol import GeneratorFailed
 from async_rlhf.pipeline import RolloutPipeline
 from async_rlhf.run_summary import build_summary, format_summary
-from async_rlhf.scoring import RewardScorer, score_rows
+from async_rlhf.scoring import RewardScorer, score_part, score_rows
 from async_rlhf.staleness_queue import StageTimeout
 from async_rlhf.trainers.nonfinite import NonFiniteGuard, NonFiniteSteps
 from async_rlhf.types import RolloutBatch, SamplingSettings, ScoredGroup
@@ -251,7 +251,7 @@ class AsyncTrainerBase(Trainer):
                                                      self.accelerator, self.args.shm_dir)
         self.pipeline = RolloutPipeline(self.args, self.prompt_token_ids, model_dir, self.accelerator,
                                         self._total_steps(), self.sampling_settings(),
-                                        engine_kwargs(self.args, self.model))
+                                        engine_kwargs(self.args, self.model), score=self._fused_scoring())
         self._stop_signal = 0
         previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
         for sig in previous:
@@ -284,6 +284,13 @@ class AsyncTrainerBase(Trainer):
             with open(os.path.join(self.args.output_dir, "run_summary.json"), "w") as f:
                 json.dump(self.run_summary, f, indent=2)
         return output
+
+    def _fused_scoring(self):
+        """Rank 0 scores each part as it arrives (`scoring_stage.py`), unless switched off or under DeepSpeed."""
+        if not self.args.score_while_generating or self.is_deepspeed_enabled:
+            return None
+        return lambda part: score_part(part, self.scorer, self.processing_class,
+                                       lambda pid: self.train_dataset[self.prompt_rows[pid]])
 
     # ---- interruption and checkpoints ----------------------------------------------------------------------
     def _on_signal(self, signum, frame):

@@ -12,7 +12,7 @@ import pytest
 from async_rlhf import checkpointing
 from async_rlhf.generation import http_client
 from async_rlhf.generation.pool_protocol import GeneratorFailed
-from async_rlhf.pipeline import check_logprobs_finite
+from async_rlhf.rank_share import check_logprobs_finite
 from async_rlhf.types import Completion, FieldError, GenerationRequest, RolloutBatch, SamplingSettings
 
 SETTINGS = SamplingSettings(max_new_tokens=4, temperature=0.9, top_p=1.0, top_k=-1, n=1, seed=7)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from async_rlhf.generation.pool_protocol import GeneratorFailed
-from async_rlhf.pipeline import broadcast_json, check_logprobs_finite, share_batch
+from async_rlhf.rank_share import broadcast_json, check_logprobs_finite, share_batch
 from async_rlhf.staleness_queue import StageTimeout
 from async_rlhf.types import Completion, RolloutBatch
 

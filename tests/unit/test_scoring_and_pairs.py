@@ -102,3 +102,30 @@ def test_score_rows_scores_a_ranks_slice_and_passes_extra_columns():
     assert metrics["rewards/reward/mean"] == pytest.approx((4 + 2 + 6 + 3) / 4)
     assert metrics["val/contain_eos_token"] == 0.5  # the first completion of each pair ends with EOS
     assert metrics["generator/completion_length"] == 2.0  # (3 + 1) / 2 tokens
+
+
+def _half_none_reward(prompts, completions, completion_ids, **kw):
+    return [None if i % 3 == 0 else float(len(c)) + kw["bonus"][i] for i, c in enumerate(completions)]
+
+
+def test_a_batch_scored_as_its_parts_arrive_trains_on_the_same_rewards_and_metrics():
+    # inter-stage fusion: rank 0 scores each part (`score_part`), the batch crosses ranks as JSON, and the learner
+    # uses those rewards instead of scoring again; everything must equal scoring the batch in the step
+    from async_rlhf.data.tiny_model import char_tokenizer
+    from async_rlhf.scoring import score_part
+    from async_rlhf.types import RolloutBatch
+
+    tok = char_tokenizer()
+    rows = {7: {"prompt": "ab", "bonus": 0.5}, 8: {"prompt": "xyz", "bonus": 2.0}}
+    comps = [[Completion([40, 41], [-0.1, -0.2], "length"), Completion([42, tok.eos_token_id], [-0.3, -0.4], "stop")],
+             [Completion([43], [-0.5], "length"), Completion([44, 45, 46], [-0.6, -0.7, -0.8], "length")]]
+    batch = RolloutBatch(3, 0, 2, [7, 8], [[1, 2], [3]], comps, 0.1)
+    scorer = RewardScorer([length_reward, _half_none_reward], reward_weights=[1.0, 2.0], missing_eos_penalty=1.0,
+                          failure="skip")
+    direct, direct_metrics = score_rows(batch, range(2), scorer, tok, rows.__getitem__)
+    fused = RolloutBatch.from_dict(score_part(batch, scorer, tok, rows.__getitem__).to_dict())
+    assert fused.rewards[0][0] is None  # a skipped sample crosses as None
+    again, metrics = score_rows(fused, range(2), scorer, tok, rows.__getitem__)
+    for a, b in zip(direct, again):
+        assert [str(r) for r in a.rewards] == [str(r) for r in b.rewards]  # NaN included
+    assert metrics == direct_metrics
