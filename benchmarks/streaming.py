@@ -55,8 +55,19 @@ def run(args, model_dir: str, mode: str, weight_load: str) -> dict:
     return trainer.run_summary
 
 
-def ideal(args, model_dir: str) -> float:
-    """Samples/s of one never-draining in-process engine over the runs' prompts and seeds (see the docstring)."""
+def ideal(args, model_dir: str, steps_in_flight: int = 2) -> float:
+    """Samples/s of one never-draining engine over the runs' prompts and seeds (see the docstring), measured in a
+    process of its own with one thread, like a generator process."""
+    import concurrent.futures
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
+        return pool.submit(_ideal, args, model_dir, steps_in_flight).result()
+
+
+def _ideal(args, model_dir: str, steps_in_flight: int) -> float:
+    os.environ["OMP_NUM_THREADS"] = "1"  # before torch and vLLM load, as `generation/worker.py` does
     import dataclasses
 
     import torch
@@ -82,9 +93,10 @@ def ideal(args, model_dir: str) -> float:
             requests.append(GenerationRequest(step, [pid], [prompts[pid]], dataclasses.replace(settings, seed=seed),
                                               chunk=j, num_chunks=args.batch))
     backend = VLLMBackend(model_dir, dtype="float32", max_model_len=args.new_tokens + 32)
+    backend.generate([prompts[0]] * 4, dataclasses.replace(settings, max_new_tokens=16))  # warm-up, untimed
     engine = StreamEngine(backend, 0)
     backend.llm.update_weight_version("0")
-    window, done, t0 = 2 * args.batch, 0, time.perf_counter()
+    window, done, t0 = steps_in_flight * args.batch, 0, time.perf_counter()
     pending = list(reversed(requests))
     for _ in range(min(window, len(pending))):
         engine.submit(pending.pop(), 0)
@@ -118,13 +130,14 @@ def main() -> None:
     print(f"\nmachine: {platform.machine()} {os.cpu_count()} cores; {args.steps} steps x {args.batch} prompts x 2 "
           f"samples, max_new_tokens {args.new_tokens}, max_staleness 1, {args.generators} generator(s)")
     base = None
-    print(f"{'run':18} {'samples/s':>9} {'speed-up':>8} {'of ideal':>8} {'wait':>6} {'imbalance':>9}  tokens")
+    print(f"{'run':18} {'samples/s':>9} {'speed-up':>8} {'of ideal':>8} {'wait':>6} {'imbalance (count split)':>24}")
     for name, s in results.items():
         rate = s["samples"] / s["loop_seconds"]
         base = base or rate
-        imb = s["generator_imbalance"].get("imbalance")
+        imb = s["generator_imbalance"]
+        imb = f"{imb['imbalance']:.2f} ({imb['imbalance_count_split']:.2f})" if imb else ""
         print(f"{name:18} {rate:9.2f} {rate / base:7.2f}x {rate / best_ideal:8.2f} "
-              f"{s['wait_seconds'] / s['loop_seconds']:6.2f} {'' if imb is None else f'{imb:9.2f}':>9}")
+              f"{s['wait_seconds'] / s['loop_seconds']:6.2f} {imb:>24}")
     print(f"{'ideal':18} {best_ideal:9.2f} {best_ideal / base:7.2f}x {1.0:8.2f}")
     best = max(results, key=lambda k: results[k]["samples"] / results[k]["loop_seconds"])
     rate = results[best]["samples"] / results[best]["loop_seconds"]

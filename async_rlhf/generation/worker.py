@@ -92,6 +92,14 @@ def _leave(outbox, code: int, deliver: bool) -> None:
         flusher.start()
         flusher.join(FLUSH_SECONDS)
     outbox.cancel_join_thread()
+    # What a normal exit would clean up and `os._exit` skips: multiprocessing's exit-time finalizers, among them the
+    # unlinking of semaphores this process created (tqdm's lock, made by vLLM's weight-loading progress bar), which
+    # the learner's resource tracker otherwise reports as leaked at its own exit. Bounded, like everything here.
+    import multiprocessing.util
+
+    cleaner = threading.Thread(target=multiprocessing.util._run_finalizers, args=(0,), daemon=True)
+    cleaner.start()
+    cleaner.join(2.0)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
