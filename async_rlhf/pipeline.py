@@ -57,8 +57,9 @@ logger = logging.getLogger(__name__)
 class RolloutPipeline:
     def __init__(self, args, prompt_token_ids: list[list[int]], generator_model_path: str, accelerator,
                  total_steps: int, settings: SamplingSettings, engine_kwargs: dict | None = None,
-                 score: Callable[[RolloutBatch], RolloutBatch] | None = None):
-        """`score`: score a part on rank 0 as it arrives (`scoring_stage.py`); None: the learner scores batches."""
+                 score: Callable[[RolloutBatch], RolloutBatch] | None = None, budgets: list[int] | None = None):
+        """`score`: score a part on rank 0 as it arrives (`scoring_stage.py`); None: the learner scores batches.
+        `budgets`: each prompt's own `max_new_tokens` (a dataset column, `data/prompts.py`); None: the settings'."""
         self.args = args
         self.accelerator = accelerator
         self.is_main = accelerator.is_main_process
@@ -87,7 +88,8 @@ class RolloutPipeline:
         self._sync_failure: GeneratorFailed | None = None  # a failed publish, raised by the next batch_for_step
         self._score = score
         self.scoring: ScoringStage | None = None
-        self.lengths = LengthEstimator(settings.max_new_tokens)  # observed by the reader thread, read by dispatch
+        self.budgets = budgets
+        self.lengths = LengthEstimator(settings.max_new_tokens, budgets)  # observed by the reader thread, read by dispatch
         self.pool_size = 0  # generators, once started
         self._in_flight_tokens = collections.defaultdict(float)  # generator -> expected tokens sent, not returned
         self._owners: dict[tuple[int, int], list] = {}  # (batch, part) -> [(generator, expected tokens)] per send
@@ -265,7 +267,8 @@ class RolloutPipeline:
                     else (self.settings.seed * 1_000_003 + batch_id) * 1_000_003 + bounds[c] * self.settings.n)
             settings = dataclasses.replace(self.settings, seed=seed)
             request = GenerationRequest(batch_id, part, [self.prompt_token_ids[i] for i in part], settings,
-                                        chunk=c, num_chunks=len(owners))
+                                        chunk=c, num_chunks=len(owners),
+                                        max_new_tokens=[self.budgets[i] for i in part] if self.budgets else [])
             expected = sum(self._expected_tokens(i) for i in part)
             with self._load_lock:
                 self._in_flight_tokens[owner] += expected

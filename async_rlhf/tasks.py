@@ -35,6 +35,9 @@ class ScriptArguments:
     dataset_data_files: str | None = field(default=None, metadata={"help": "Local .json/.jsonl/.csv/.parquet "
                                                                            "file(s) read instead of the hub "
                                                                            "(task 'hub')."})
+    toy_lengths: list[float] | None = field(default=None, metadata={
+        "help": "task 'toy': 'MEAN CV': give each prompt its own completion budget, lognormal with this mean and "
+                "coefficient of variation, up to max_new_tokens (a heavy-tailed workload: '48 1.0')."})
     hub_reward: str | None = field(default=None, metadata={"help": "task 'hub': 'gsm8k' (exact-match reward "
                                                                    "on the '#### <number>' answer) instead of "
                                                                    "--reward_model_path."})
@@ -75,7 +78,13 @@ def setup_task(script: ScriptArguments, config) -> Task:
         path = script.model_name_or_path or os.path.join(config.output_dir, "init_model")
         if not os.path.isfile(os.path.join(path, "config.json")):
             save_tiny_model(path)
-        return Task(path, lowercase_reward, toy_prompts(256, config.seed), None)
+        lengths = None
+        if script.toy_lengths is not None:
+            if len(script.toy_lengths) != 2 or script.toy_lengths[0] < 1 or script.toy_lengths[1] < 0:
+                raise ConfigError(f"toy_lengths: expected 'MEAN CV' with MEAN >= 1 and CV >= 0, "
+                                  f"got {script.toy_lengths}")
+            lengths = (script.toy_lengths[0], script.toy_lengths[1], config.max_new_tokens)
+        return Task(path, lowercase_reward, toy_prompts(256, config.seed, lengths), None)
     if script.task == "builtin":
         from async_rlhf.data.builtin_task import gold_reward, make_splits
         from async_rlhf.data.prepare import prepare_builtin

@@ -87,18 +87,30 @@ class GenerationRequest:
     settings: SamplingSettings
     chunk: int = 0  # a batch is split across generators: this is part `chunk` of `num_chunks`
     num_chunks: int = 1
+    max_new_tokens: list[int] = field(default_factory=list)  # [P] each prompt's budget; empty: settings' for all
+
+    def settings_for(self, p: int) -> SamplingSettings:
+        """The sampling settings of prompt `p` (its own token budget, when it has one)."""
+        if not self.max_new_tokens:
+            return self.settings
+        return dataclasses.replace(self.settings, max_new_tokens=self.max_new_tokens[p])
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d) -> GenerationRequest:
+        if isinstance(d, dict) and "max_new_tokens" not in d:
+            d = {**d, "max_new_tokens": []}
         f = check_fields(d, "generate", {"batch_id": nonneg, "prompt_ids": list_of(nonneg),
                                          "prompt_token_ids": list_of(list_of(nonneg)),
                                          "settings": SamplingSettings.from_dict, "chunk": nonneg,
-                                         "num_chunks": nonneg}, ignore=("kind", "token"))
+                                         "num_chunks": nonneg, "max_new_tokens": list_of(nonneg)},
+                         ignore=("kind", "token"))
         if len(f["prompt_ids"]) != len(f["prompt_token_ids"]):
             raise FieldError("generate: prompt_ids and prompt_token_ids differ in length")
+        if f["max_new_tokens"] and len(f["max_new_tokens"]) != len(f["prompt_ids"]):
+            raise FieldError("generate: max_new_tokens must be empty or hold one budget per prompt")
         return cls(**f)
 
 

@@ -3,9 +3,11 @@
     python benchmarks/streaming.py --quick       # 6 steps each, about 3 minutes on 2 cores
     python benchmarks/streaming.py --steps 12 --generators 2
 
-The workload: online DPO on the toy task with a tiny random Llama that rarely samples EOS, so completion lengths
-are close to geometric (coefficient of variation near 1) up to `--new_tokens`: most samples are short and a few run
-to the cap, the shape that makes one `generate()` per batch wait on its longest sample. One learner process and
+The workload: online DPO on the toy task with a tiny random Llama that rarely samples EOS, each prompt with its own
+completion budget drawn from a lognormal (`--lengths MEAN CV`, default 48 and 1.0, capped at `--new_tokens` 224:
+`toy_prompts(lengths=...)`), so lengths are heavy-tailed and follow the prompt: most samples are short and a few
+run to the cap, the shape that makes one `generate()` per batch wait on its longest sample. `--lengths 0 0`: no
+budgets, lengths near-geometric up to the cap. One learner process and
 `--generators` vLLM generator processes, one CPU thread each, `max_staleness` 1, a weight sync every step.
 
 Runs, each the real trainer and pipeline (times are of the training loop; engine start-up excluded):
@@ -44,13 +46,20 @@ def config(args, out: str, mode: str, weight_load: str):
     )
 
 
+def dataset(args):
+    from async_rlhf.data.toy_task import toy_prompts
+
+    mean, cv = args.lengths
+    return toy_prompts(512, seed=0, lengths=(mean, cv, args.new_tokens) if mean else None)
+
+
 def run(args, model_dir: str, mode: str, weight_load: str) -> dict:
     from async_rlhf import AsyncOnlineDPOTrainer
-    from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
+    from async_rlhf.data.toy_task import lowercase_reward
 
     out = tempfile.mkdtemp(prefix=f"bench-stream-{mode}-")
     trainer = AsyncOnlineDPOTrainer(model=model_dir, reward_funcs=lowercase_reward,
-                                    args=config(args, out, mode, weight_load), train_dataset=toy_prompts(512, seed=0))
+                                    args=config(args, out, mode, weight_load), train_dataset=dataset(args))
     trainer.train()
     return trainer.run_summary
 
@@ -73,7 +82,7 @@ def _ideal(args, model_dir: str, steps_in_flight: int) -> float:
     import torch
 
     from async_rlhf import AsyncOnlineDPOTrainer
-    from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
+    from async_rlhf.data.toy_task import lowercase_reward
     from async_rlhf.generation.stream_engine import StreamEngine
     from async_rlhf.generation.vllm_backend import VLLMBackend
     from async_rlhf.prompt_stream import PromptStream
@@ -83,7 +92,7 @@ def _ideal(args, model_dir: str, steps_in_flight: int) -> float:
     # the trainer only to tokenize the prompts and build the sampling settings exactly as the runs do
     t = AsyncOnlineDPOTrainer(model=model_dir, reward_funcs=lowercase_reward,
                               args=config(args, tempfile.mkdtemp(), "stream", "drain"),
-                              train_dataset=toy_prompts(512, seed=0))
+                              train_dataset=dataset(args))
     settings, prompts = t.sampling_settings(), t.prompt_token_ids
     stream = PromptStream(len(prompts), args.batch, settings.seed)
     requests = []
@@ -91,7 +100,8 @@ def _ideal(args, model_dir: str, steps_in_flight: int) -> float:
         for j, pid in enumerate(stream.prompts_for_step(step)):
             seed = (settings.seed * 1_000_003 + step) * 1_000_003 + j * settings.n
             requests.append(GenerationRequest(step, [pid], [prompts[pid]], dataclasses.replace(settings, seed=seed),
-                                              chunk=j, num_chunks=args.batch))
+                                              chunk=j, num_chunks=args.batch,
+                                              max_new_tokens=[t.prompt_budgets[pid]] if t.prompt_budgets else []))
     backend = VLLMBackend(model_dir, dtype="float32", max_model_len=args.new_tokens + 32)
     backend.generate([prompts[0]] * 4, dataclasses.replace(settings, max_new_tokens=16))  # warm-up, untimed
     engine = StreamEngine(backend, 0)
@@ -110,14 +120,15 @@ def _ideal(args, model_dir: str, steps_in_flight: int) -> float:
     return done * settings.n / seconds
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--batch", type=int, default=16, help="prompts per step (2 samples each)")
     p.add_argument("--new_tokens", type=int, default=224)
     p.add_argument("--generators", type=int, default=1)
+    p.add_argument("--lengths", type=float, nargs=2, default=[48.0, 1.0], metavar=("MEAN", "CV"))
     p.add_argument("--quick", action="store_true", help="6 steps")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.quick:
         args.steps = 6
 
@@ -128,7 +139,8 @@ def main() -> None:
     best_ideal = ideal(args, model_dir)
 
     print(f"\nmachine: {platform.machine()} {os.cpu_count()} cores; {args.steps} steps x {args.batch} prompts x 2 "
-          f"samples, max_new_tokens {args.new_tokens}, max_staleness 1, {args.generators} generator(s)")
+          f"samples, max_new_tokens {args.new_tokens}, budgets lognormal mean/cv {args.lengths}, max_staleness 1, "
+          f"{args.generators} generator(s)")
     base = None
     print(f"{'run':18} {'samples/s':>9} {'speed-up':>8} {'of ideal':>8} {'wait':>6} {'imbalance (count split)':>24}")
     for name, s in results.items():

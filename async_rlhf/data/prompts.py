@@ -63,3 +63,23 @@ def tokenize_prompts(dataset, tokenizer, max_prompt_length: int, name: str = "tr
         raise DatasetError(f"{name}: every prompt is longer than max_length - max_new_tokens = "
                            f"{max_prompt_length} tokens")
     return ids, kept
+
+
+BUDGET_COLUMN = "max_new_tokens"
+
+
+def completion_budgets(dataset, rows: list[int], max_new_tokens: int, name: str = "train_dataset") -> list[int] | None:
+    """Each kept row's own completion budget, from an optional `max_new_tokens` column (a whole number from 1 to the
+    config's `max_new_tokens`), in the order of `rows`; None without the column. A bad value is an error naming the
+    row, the value and the limit, raised before any model loads."""
+    if BUDGET_COLUMN not in dataset.column_names:
+        return None
+    values = dataset[BUDGET_COLUMN]
+    budgets = []
+    for row in rows:
+        v = values[row]
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= max_new_tokens:
+            raise DatasetError(f"{name}: row {row}, column {BUDGET_COLUMN!r}: {v!r} is not a whole number from 1 to "
+                               f"max_new_tokens = {max_new_tokens}")
+        budgets.append(v)
+    return budgets

@@ -3,7 +3,7 @@
 A streamed batch is one request per prompt group, so groups can go to any generator. `LengthEstimator` predicts a
 group's decode work from what the run has seen: the mean completion length of this prompt's earlier samples (a
 prompt comes back every epoch), else the mean over every completion so far, else `max_new_tokens` (the first
-batch, when nothing is known). `assign` is the longest-processing-time rule: the costliest group first, each to the
+batch, when nothing is known); never more than the prompt's own token budget when the dataset gives one. `assign` is the longest-processing-time rule: the costliest group first, each to the
 generator with the least expected work, counting what every generator still has in flight from earlier batches (so
 a generator busy with a long tail gets less of the next batch).
 
@@ -16,8 +16,9 @@ from __future__ import annotations
 
 
 class LengthEstimator:
-    def __init__(self, max_new_tokens: int):
+    def __init__(self, max_new_tokens: int, budgets: list[int] | None = None):
         self.max_new_tokens = max_new_tokens
+        self.budgets = budgets  # prompt id -> its own max_new_tokens, or None
         self._per_prompt: dict[int, float] = {}  # prompt id -> mean completion tokens, last time it was sampled
         self._total_tokens = 0
         self._total_samples = 0
@@ -29,11 +30,12 @@ class LengthEstimator:
             self._total_samples += len(lengths)
 
     def expected_length(self, prompt_id: int) -> float:
+        cap = self.budgets[prompt_id] if self.budgets else self.max_new_tokens
         if prompt_id in self._per_prompt:
-            return self._per_prompt[prompt_id]
+            return min(cap, self._per_prompt[prompt_id])
         if self._total_samples:
-            return self._total_tokens / self._total_samples
-        return float(self.max_new_tokens)
+            return min(cap, self._total_tokens / self._total_samples)
+        return float(cap)
 
 
 def assign(costs: list[float], in_flight: list[float]) -> list[int]:

@@ -16,8 +16,10 @@ from async_rlhf.types import Completion, SamplingSettings, WeightUpdate
 class GeneratorBackend(Protocol):
     name: str
 
-    def generate(self, prompt_token_ids: list[list[int]], settings: SamplingSettings) -> list[list[Completion]]:
-        """Sample `settings.n` completions per prompt. Returns [P][n] completions with behaviour log-probs."""
+    def generate(self, prompt_token_ids: list[list[int]], settings: SamplingSettings,
+                 max_new_tokens: list[int] | None = None) -> list[list[Completion]]:
+        """Sample `settings.n` completions per prompt, each at most `max_new_tokens[p]` tokens long (default
+        `settings.max_new_tokens`). Returns [P][n] completions with behaviour log-probs."""
 
     def load_weights(self, update: WeightUpdate) -> None:
         """Replace the policy's weights with those described by `update` (all parameters, same names as the

@@ -48,7 +48,9 @@ class HFBackend:
         torch.manual_seed(seed)
 
     @torch.no_grad()
-    def generate(self, prompt_token_ids: list[list[int]], settings: SamplingSettings) -> list[list[Completion]]:
+    def generate(self, prompt_token_ids: list[list[int]], settings: SamplingSettings,
+                 max_new_tokens: list[int] | None = None) -> list[list[Completion]]:
+        """`max_new_tokens`: each prompt's budget (the batch decodes up to the largest; longer samples are cut)."""
         n = settings.n
         width = max(len(p) for p in prompt_token_ids)
         input_ids = torch.full((len(prompt_token_ids), width), self.pad_id, dtype=torch.long)
@@ -61,7 +63,7 @@ class HFBackend:
             # top_k 0 means no top-k warper; left unset, transformers' legacy default of 50 could apply.
             warpers = dict(temperature=settings.temperature, top_k=max(settings.top_k, 0), top_p=settings.top_p)
         config = GenerationConfig(
-            max_new_tokens=settings.max_new_tokens,
+            max_new_tokens=max(max_new_tokens) if max_new_tokens else settings.max_new_tokens,
             do_sample=settings.temperature > 0,
             pad_token_id=self.pad_id,
             eos_token_id=sorted(self.eos_ids),
@@ -82,6 +84,8 @@ class HFBackend:
         )
         new_tokens, logprobs = new_tokens.cpu(), logprobs.cpu()
         flat = [_cut_at_eos(t.tolist(), lp.tolist(), self.eos_ids) for t, lp in zip(new_tokens, logprobs)]
+        if max_new_tokens:
+            flat = [_within_budget(c, max_new_tokens[i // n]) for i, c in enumerate(flat)]
         return [flat[p * n : (p + 1) * n] for p in range(len(prompt_token_ids))]
 
     def load_weights(self, update: WeightUpdate) -> None:
@@ -189,3 +193,10 @@ def _cut_at_eos(tokens: list[int], logprobs: list[float], eos_ids) -> Completion
         if tok in eos_ids:
             return Completion(tokens[: i + 1], logprobs[: i + 1], "stop")
     return Completion(tokens, logprobs, "length")
+
+
+def _within_budget(c: Completion, budget: int) -> Completion:
+    """`c` cut to its prompt's token budget (a sample of the batch that ran past it, as vLLM would have stopped it)."""
+    if len(c.token_ids) <= budget:
+        return c
+    return Completion(token_ids=c.token_ids[:budget], logprobs=c.logprobs[:budget], finish_reason="length")

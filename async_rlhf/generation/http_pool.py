@@ -249,7 +249,7 @@ class HTTPGeneratorPool:
         try:
             async with asyncio.TaskGroup() as group:
                 tasks = [group.create_task(http_client.complete(
-                    self._session, s.url, s.model, prompt, settings,
+                    self._session, s.url, s.model, prompt, request.settings_for(p),
                     None if settings.seed is None else settings.seed + p * settings.n, self.request_timeout,
                     self.token)) for p, prompt in enumerate(request.prompt_token_ids)]
         except ExceptionGroup as group_error:

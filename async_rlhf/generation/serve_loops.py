@@ -46,7 +46,7 @@ def serve_batches(spec, backend, inbox, outbox, parent) -> bool:
             version = _load(backend, msg, spec.generator_id, outbox)
         elif msg.kind == "generate":
             t0 = time.perf_counter()
-            completions = backend.generate(msg.prompt_token_ids, msg.settings)
+            completions = backend.generate(msg.prompt_token_ids, msg.settings, msg.max_new_tokens or None)
             outbox.put(RolloutBatch(batch_id=msg.batch_id, generator_id=spec.generator_id, policy_version=version,
                                     prompt_ids=msg.prompt_ids, prompt_token_ids=msg.prompt_token_ids,
                                     completions=completions, seconds=time.perf_counter() - t0, chunk=msg.chunk,

@@ -55,7 +55,8 @@ class StreamEngine:
             raise ValueError(f"generator {self.generator_id}: request {key} is already being sampled")
         self._open[key] = _Open(request, time.perf_counter(), version)
         for p, ids in enumerate(request.prompt_token_ids):
-            params = sampling_params(request.settings, p, final_only=True)
+            params = sampling_params(request.settings, p, final_only=True,
+                                     budget=request.max_new_tokens[p] if request.max_new_tokens else None)
             self.engine.add_request(f"{key}.{p}", TokensPrompt(prompt_token_ids=list(ids)), params)
 
     @property

@@ -120,7 +120,8 @@ class VLLMBackend:
             raise RuntimeError("VLLMBackend is closed")
         return self._llm
 
-    def generate(self, prompt_token_ids: list[list[int]], settings: SamplingSettings) -> list[list[Completion]]:
+    def generate(self, prompt_token_ids: list[list[int]], settings: SamplingSettings,
+                 max_new_tokens: list[int] | None = None) -> list[list[Completion]]:
         """One `LLM.generate` call for the whole batch; vLLM schedules all P*n sequences together.
 
         With `settings.seed`, prompt p uses seed `seed + p*n` and vLLM gives its i-th sample `seed + p*n + i`, so
@@ -128,7 +129,8 @@ class VLLMBackend:
         """
         from vllm.inputs import TokensPrompt
 
-        params = [sampling_params(settings, p) for p in range(len(prompt_token_ids))]
+        params = [sampling_params(settings, p, budget=max_new_tokens[p] if max_new_tokens else None)
+                  for p in range(len(prompt_token_ids))]
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_token_ids]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         return [[completion_from_vllm(c, with_versions=False) for c in sorted(out.outputs, key=lambda c: c.index)]
@@ -221,9 +223,10 @@ class LLMClient:
         self.llm.finish_weight_update(weight_version=weight_version)
 
 
-def sampling_params(settings: SamplingSettings, p: int, final_only: bool = False):
-    """vLLM's parameters for prompt `p` of a request: its n samples are seeded `seed + p*n + i`. `final_only`: the
-    engine reports the request once, finished (what `LLM.generate` sets; `LLMEngine.add_request` does not)."""
+def sampling_params(settings: SamplingSettings, p: int, final_only: bool = False, budget: int | None = None):
+    """vLLM's parameters for prompt `p` of a request: its n samples are seeded `seed + p*n + i`, and end after `budget`
+    tokens (default `settings.max_new_tokens`). `final_only`: the engine reports the request once, finished (what
+    `LLM.generate` sets; `LLMEngine.add_request` does not)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -233,7 +236,7 @@ def sampling_params(settings: SamplingSettings, p: int, final_only: bool = False
         temperature=settings.temperature,
         top_p=settings.top_p,
         top_k=max(settings.top_k, 0),  # vLLM: 0 disables top-k
-        max_tokens=settings.max_new_tokens,
+        max_tokens=settings.max_new_tokens if budget is None else budget,
         seed=None if settings.seed is None else settings.seed + p * settings.n,
         logprobs=0,  # only the sampled token's log-prob
         detokenize=False,  # we hand back token ids; skip the detokenizer

@@ -25,7 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Traine
 
 from async_rlhf import checkpointing
 from async_rlhf.config import AsyncRLConfig, ConfigError
-from async_rlhf.data.prompts import check_prompt_dataset, tokenize_prompts
+from async_rlhf.data.prompts import check_prompt_dataset, completion_budgets, tokenize_prompts
 from async_rlhf.frozen_models import prepare_frozen, reference_model
 from async_rlhf.generation.placement import (check_context_length, check_generator_devices, check_shm_space,
                                              engine_kwargs,
@@ -116,6 +116,7 @@ class AsyncTrainerBase(Trainer):
         self.prompt_token_ids, kept_rows = tokenize_prompts(
             train_dataset, processing_class, args.max_length - args.max_new_tokens)
         self.prompt_rows = kept_rows  # prompt id -> dataset row
+        self.prompt_budgets = completion_budgets(train_dataset, kept_rows, args.max_new_tokens)  # None: one for all
         check_context_length(args, AutoConfig.from_pretrained(model) if isinstance(model, str) else model.config)
 
         # ---- models ------------------------------------------------------------------------------------------
@@ -251,7 +252,8 @@ class AsyncTrainerBase(Trainer):
                                                      self.accelerator, self.args.shm_dir)
         self.pipeline = RolloutPipeline(self.args, self.prompt_token_ids, model_dir, self.accelerator,
                                         self._total_steps(), self.sampling_settings(),
-                                        engine_kwargs(self.args, self.model), score=self._fused_scoring())
+                                        engine_kwargs(self.args, self.model), score=self._fused_scoring(),
+                                        budgets=self.prompt_budgets)
         self._stop_signal = 0
         previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
         for sig in previous:

@@ -4,6 +4,7 @@ ranks, generators) can be found afterwards by session id, even if orphaned."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 
@@ -69,3 +70,18 @@ def _session_processes(session_id: int) -> list[dict]:
         except (ProcessLookupError, PermissionError):
             pass
     return found
+
+
+def stop_group(proc: subprocess.Popen, seconds: float = 60) -> bool:
+    """SIGTERM the process group `proc` leads (started with `start_new_session`), wait up to `seconds`, then SIGKILL
+    it. True if it stopped on SIGTERM (or had already exited)."""
+    if proc.poll() is not None:
+        return True
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(seconds)
+        return True
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return False

@@ -251,3 +251,14 @@ def test_load_backend(tiny_model_dir, monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` fail, as on a machine without it
     with pytest.raises(ImportError, match='generator_backend="transformers"'):
         load_backend("vllm", tiny_model_dir)
+
+
+def test_each_prompt_stops_at_its_own_budget(backend):
+    budgets = [3, 9, 1]
+    settings = SamplingSettings(max_new_tokens=12, temperature=1.0, n=2, seed=4)
+    out = backend.generate(PROMPTS, settings, budgets)
+    for group, budget in zip(out, budgets):
+        for c in group:
+            assert len(c.token_ids) == len(c.logprobs) <= budget
+            assert c.finish_reason == ("length" if c.token_ids[-1:] != [EOS] else "stop")
+    assert any(len(c.token_ids) == 9 for c in out[1])  # the random policy rarely ends early

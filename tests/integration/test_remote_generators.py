@@ -27,6 +27,7 @@ from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
 from async_rlhf.generation.pool_protocol import GeneratorFailed
 from async_rlhf.generation.serve import READY_LINE, TOKEN_ENV
 from run_records import check_staleness_records
+from session_run import stop_group
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -60,15 +61,8 @@ def start_server(model_dir: str, token: str) -> tuple[subprocess.Popen, str, lis
 
 
 def stop_server(proc: subprocess.Popen, log: list[str]) -> None:
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        raise AssertionError("server did not stop within 60 s of SIGTERM:\n" + "".join(log[-50:])) from None
+    if not stop_group(proc, 60):
+        raise AssertionError("server did not stop within 60 s of SIGTERM:\n" + "".join(log[-50:]))
 
 
 @pytest.fixture(scope="module")

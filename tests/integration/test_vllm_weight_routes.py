@@ -7,7 +7,6 @@ which keeps the old weights, when sent anyway). About 35 s on 2 cores, most of i
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from safetensors.torch import save_file
 
 from async_rlhf.data.tiny_model import char_tokenizer, tiny_llama
 from async_rlhf.types import WeightUpdate
+from session_run import stop_group
 
 requests = pytest.importorskip("requests")
 pytest.importorskip("vllm")
@@ -51,12 +51,7 @@ def server(tiny_model_dir):
             time.sleep(1)
         yield url, tiny_model_dir
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_group(proc, 60)
 
 
 def greedy(url: str, model: str) -> list[int]:
