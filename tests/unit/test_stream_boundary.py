@@ -27,8 +27,8 @@ def test_imbalance_as_assigned_and_as_count_chunks():
 
 
 def test_length_estimate_per_prompt_then_run_mean_then_the_cap():
-    est = LengthEstimator(max_new_tokens=64)
-    assert est.expected_length(3) == 64
+    est = LengthEstimator(max_new_tokens=128)
+    assert est.expected_length(3) == 128
     est.observe(3, [10, 30])
     assert est.expected_length(3) == 20 and est.expected_length(4) == 20
     est.observe(4, [100])
