@@ -2,8 +2,8 @@
 
 A streamed batch is one request per prompt group, so groups can go to any generator. `LengthEstimator` predicts a
 group's decode work from what the run has seen: the mean completion length of this prompt's earlier samples (a
-prompt comes back every epoch), else the mean over every completion so far, else `max_new_tokens` (the first
-batch, when nothing is known); never more than the prompt's own token budget when the dataset gives one. `assign` is the longest-processing-time rule: the costliest group first, each to the
+prompt comes back every epoch), else its token budget (its own, when the dataset gives one, else `max_new_tokens`)
+times the share of their budgets that completions have used so far, else the budget (the first batch). `assign` is the longest-processing-time rule: the costliest group first, each to the
 generator with the least expected work, counting what every generator still has in flight from earlier batches (so
 a generator busy with a long tail gets less of the next batch).
 
@@ -20,22 +20,27 @@ class LengthEstimator:
         self.max_new_tokens = max_new_tokens
         self.budgets = budgets  # prompt id -> its own max_new_tokens, or None
         self._per_prompt: dict[int, float] = {}  # prompt id -> mean completion tokens, last time it was sampled
-        self._total_tokens = 0
-        self._total_samples = 0
+        self._tokens = 0  # over every completion seen: tokens sampled ...
+        self._allowed = 0  # ... and tokens its budget allowed
+
+    def _budget(self, prompt_id: int) -> int:
+        return self.budgets[prompt_id] if self.budgets else self.max_new_tokens
 
     def observe(self, prompt_id: int, lengths: list[int]) -> None:
         if lengths:
             self._per_prompt[prompt_id] = sum(lengths) / len(lengths)
-            self._total_tokens += sum(lengths)
-            self._total_samples += len(lengths)
+            self._tokens += sum(lengths)
+            self._allowed += self._budget(prompt_id) * len(lengths)
 
     def expected_length(self, prompt_id: int) -> float:
-        cap = self.budgets[prompt_id] if self.budgets else self.max_new_tokens
+        """This prompt's last mean length; else its budget times the share of their budgets completions have used
+        so far (the run's mean length when there are no budgets); else its budget."""
+        budget = self._budget(prompt_id)
         if prompt_id in self._per_prompt:
-            return min(cap, self._per_prompt[prompt_id])
-        if self._total_samples:
-            return min(cap, self._total_tokens / self._total_samples)
-        return float(cap)
+            return min(budget, self._per_prompt[prompt_id])
+        if self._allowed:
+            return budget * self._tokens / self._allowed
+        return float(budget)
 
 
 def assign(costs: list[float], in_flight: list[float]) -> list[int]:

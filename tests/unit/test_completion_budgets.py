@@ -46,8 +46,8 @@ def test_toy_budgets_are_heavy_tailed_with_the_asked_mean_and_cap():
     assert "max_new_tokens" not in toy_prompts(4, seed=0).column_names
 
 
-def test_the_length_estimate_never_exceeds_a_prompts_budget():
-    est = LengthEstimator(max_new_tokens=224, budgets=[10, 200])
+def test_the_length_estimate_follows_each_prompts_budget():
+    est = LengthEstimator(max_new_tokens=224, budgets=[10, 200, 100])
     assert est.expected_length(0) == 10 and est.expected_length(1) == 200
-    est.observe(1, [150, 150])
-    assert est.expected_length(0) == 10 and est.expected_length(1) == 150
+    est.observe(1, [100, 100])  # half of its budget
+    assert est.expected_length(1) == 100 and est.expected_length(2) == 50 and est.expected_length(0) == 5

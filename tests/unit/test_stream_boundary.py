@@ -26,13 +26,13 @@ def test_imbalance_as_assigned_and_as_count_chunks():
     assert imbalance([5, 5], [0, 0], 2) == (2.0, 1.0)
 
 
-def test_length_estimate_per_prompt_then_run_mean_then_the_cap():
+def test_length_estimate_per_prompt_then_the_share_of_the_budget_used_then_the_budget():
     est = LengthEstimator(max_new_tokens=128)
     assert est.expected_length(3) == 128
-    est.observe(3, [10, 30])
-    assert est.expected_length(3) == 20 and est.expected_length(4) == 20
+    est.observe(3, [10, 30])  # a sixth of the budget used
+    assert est.expected_length(3) == 20 and est.expected_length(4) == pytest.approx(128 * 40 / 256)
     est.observe(4, [100])
-    assert est.expected_length(4) == 100 and est.expected_length(5) == pytest.approx(140 / 3)
+    assert est.expected_length(4) == 100 and est.expected_length(5) == pytest.approx(128 * 140 / 384)
 
 
 def test_version_starts_round_trip_and_are_checked():
