@@ -82,6 +82,7 @@ class RolloutPipeline:
         self.gen_seconds = 0.0
         self.start_seconds = 0.0
         self.load_seconds = 0.0  # generator-side weight loading, summed (kept after close)
+        self.busy_seconds = 0.0  # generator-side sampling time, summed (kept after close; local generators only)
         self.loaded_versions: dict[int, int] = {}  # generator id -> last acknowledged version (kept after close)
         self.restarts = 0
         self._partial: dict[int, dict[int, RolloutBatch]] = {}  # batch id -> chunk -> rollouts (reader thread)
@@ -147,6 +148,7 @@ class RolloutPipeline:
         if self.pool is not None:
             self.pool.close()  # first: it may still record the acknowledgements of the last weights
             self.load_seconds = sum(self.pool.acks.load_seconds)
+            self.busy_seconds = sum(self.pool.acks.busy_seconds.values())
             self.loaded_versions = dict(self.pool.acks.loaded_version)
             self.restarts = sum(self.pool.restarts.values())
             self.pool = None
@@ -369,6 +371,9 @@ class RolloutPipeline:
         if self.transport is not None:
             out.update(self.transport.stats())
         out["sync/load_seconds"] = self.load_seconds
+        if self.pool is not None:
+            self.busy_seconds = sum(self.pool.acks.busy_seconds.values())
+        out["generator/busy_seconds"] = self.busy_seconds
         if self.scoring is not None:
             out["scoring/seconds"] = self.scoring.seconds
             out["scoring/hidden_fraction"] = self.scoring.hidden_fraction

@@ -30,6 +30,7 @@ def build_summary(pipeline, args, accelerator, steps: int, wall: float, loop_sec
         "generators": len(args.generator_servers or args.generator_devices),
         "generator_versions": p.loaded_versions,
         "generation_mode": "stream" if args.streaming else "batch",
+        "generator_busy_seconds": p.busy_seconds,  # as of each generator's last weight acknowledgement
         "generator_imbalance": {k.split("/")[1]: v for k, v in stats.items() if k.startswith("generator/imbalance")},
         "staleness_histogram": {int(k): v for k, v in sorted(p.queue.staleness_counts.items())},
         "dropped": p.queue.dropped,

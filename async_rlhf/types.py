@@ -209,6 +209,7 @@ class WeightAck:
     generator_id: int
     version: int
     seconds: float  # time to receive and load
+    busy_seconds: float = 0.0  # the generator's time spent sampling since it started (for its busy fraction)
     kind = "weights_loaded"
 
 

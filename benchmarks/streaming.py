@@ -16,7 +16,8 @@ Runs, each the real trainer and pipeline (times are of the training loop; engine
   stream/in_flight    the same, weights loaded between two engine steps (per-token versions)
 and the ideal: the same prompts and seeds sampled by one in-process engine that never drains and never waits for a
 learner, with as many groups in flight as two steps hold (a group enters the moment another leaves), at the
-initial policy. Reported: samples/s, learner wait as a fraction of the loop, generator imbalance with several
+initial policy. Reported: samples/s, learner wait as a fraction of the loop, generator busy fraction (time its
+engine spent sampling, over the loop), generator imbalance with several
 generators, each run's speed-up over batch-level and its fraction of the ideal (samples/s over the ideal's).
 """
 
@@ -142,14 +143,16 @@ def main(argv: list[str] | None = None) -> None:
           f"samples, max_new_tokens {args.new_tokens}, budgets lognormal mean/cv {args.lengths}, max_staleness 1, "
           f"{args.generators} generator(s)")
     base = None
-    print(f"{'run':18} {'samples/s':>9} {'speed-up':>8} {'of ideal':>8} {'wait':>6} {'imbalance (count split)':>24}")
+    print(f"{'run':18} {'samples/s':>9} {'speed-up':>8} {'of ideal':>8} {'wait':>6} {'gen busy':>8} "
+          f"{'imbalance (count split)':>24}")
     for name, s in results.items():
         rate = s["samples"] / s["loop_seconds"]
         base = base or rate
         imb = s["generator_imbalance"]
         imb = f"{imb['imbalance']:.2f} ({imb['imbalance_count_split']:.2f})" if imb else ""
+        busy = s["generator_busy_seconds"] / (s["generators"] * s["loop_seconds"])
         print(f"{name:18} {rate:9.2f} {rate / base:7.2f}x {rate / best_ideal:8.2f} "
-              f"{s['wait_seconds'] / s['loop_seconds']:6.2f} {imb:>24}")
+              f"{s['wait_seconds'] / s['loop_seconds']:6.2f} {busy:8.2f} {imb:>24}")
     print(f"{'ideal':18} {best_ideal:9.2f} {best_ideal / base:7.2f}x {1.0:8.2f}")
     best = max(results, key=lambda k: results[k]["samples"] / results[k]["loop_seconds"])
     rate = results[best]["samples"] / results[best]["loop_seconds"]

@@ -236,7 +236,7 @@ class GeneratorPool:
                     self.on_rollouts(msg)
                 continue
             if msg.kind == "weights_loaded":
-                self.acks.acknowledged(msg.generator_id, msg.version, msg.seconds)
+                self.acks.acknowledged(msg.generator_id, msg.version, msg.seconds, msg.busy_seconds)
                 continue
             if msg.kind == "ready":
                 with self._lock:

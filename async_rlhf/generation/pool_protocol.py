@@ -65,6 +65,7 @@ class AckTracker:
         self.describe = describe
         self.loaded_version = {g: initial_version for g in generator_ids}
         self.load_seconds: list[float] = []  # one entry per acknowledged update
+        self.busy_seconds = {g: 0.0 for g in generator_ids}  # each generator's sampling time, as of its last ack
         self._pending: dict[tuple[int, int], float] = {}  # (generator, version) -> time sent
         self._lock = threading.Lock()
 
@@ -72,8 +73,10 @@ class AckTracker:
         with self._lock:
             self._pending[(generator_id, version)] = time.monotonic()
 
-    def acknowledged(self, generator_id: int, version: int, seconds: float) -> None:
+    def acknowledged(self, generator_id: int, version: int, seconds: float, busy_seconds: float | None = None) -> None:
         with self._lock:
+            if busy_seconds is not None:
+                self.busy_seconds[generator_id] = busy_seconds
             self._pending.pop((generator_id, version), None)
             self.loaded_version[generator_id] = version
             self.load_seconds.append(seconds)

@@ -24,15 +24,16 @@ import time
 from async_rlhf.types import RolloutBatch, WeightAck
 
 
-def _load(backend, msg, generator_id: int, outbox) -> int:
+def _load(backend, msg, generator_id: int, outbox, busy_seconds: float) -> int:
     t0 = time.perf_counter()
     backend.load_weights(msg)
-    outbox.put(WeightAck(generator_id, msg.version, time.perf_counter() - t0))
+    outbox.put(WeightAck(generator_id, msg.version, time.perf_counter() - t0, busy_seconds))
     return msg.version
 
 
 def serve_batches(spec, backend, inbox, outbox, parent) -> bool:
     version = spec.initial_version
+    busy = 0.0  # seconds in `generate`
     while True:
         try:
             msg = inbox.get(timeout=1.0)
@@ -43,10 +44,11 @@ def serve_batches(spec, backend, inbox, outbox, parent) -> bool:
         if msg.kind == "shutdown":
             return True
         if msg.kind == "weights":
-            version = _load(backend, msg, spec.generator_id, outbox)
+            version = _load(backend, msg, spec.generator_id, outbox, busy)
         elif msg.kind == "generate":
             t0 = time.perf_counter()
             completions = backend.generate(msg.prompt_token_ids, msg.settings, msg.max_new_tokens or None)
+            busy += time.perf_counter() - t0
             outbox.put(RolloutBatch(batch_id=msg.batch_id, generator_id=spec.generator_id, policy_version=version,
                                     prompt_ids=msg.prompt_ids, prompt_token_ids=msg.prompt_token_ids,
                                     completions=completions, seconds=time.perf_counter() - t0, chunk=msg.chunk,
@@ -78,7 +80,7 @@ def serve_stream(spec, backend, inbox, outbox, parent) -> bool:
             if msg.kind == "weights":
                 if spec.weight_load == "drain" and engine.busy:
                     break  # the head waits for the samples already started; so does everything behind it
-                version = _load(backend, msg, spec.generator_id, outbox)
+                version = _load(backend, msg, spec.generator_id, outbox, engine.busy_seconds)
             elif msg.kind == "generate":
                 engine.submit(msg, version)
             else:
