@@ -57,7 +57,8 @@ logger = logging.getLogger(__name__)
 class RolloutPipeline:
     def __init__(self, args, prompt_token_ids: list[list[int]], generator_model_path: str, accelerator,
                  total_steps: int, settings: SamplingSettings, engine_kwargs: dict | None = None,
-                 score: Callable[[RolloutBatch], RolloutBatch] | None = None, budgets: list[int] | None = None):
+                 score: Callable[[list[RolloutBatch]], list[RolloutBatch]] | None = None,
+                 budgets: list[int] | None = None):
         """`score`: score a part on rank 0 as it arrives (`scoring_stage.py`); None: the learner scores batches.
         `budgets`: each prompt's own `max_new_tokens` (a dataset column, `data/prompts.py`); None: the settings'."""
         self.args = args

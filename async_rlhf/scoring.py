@@ -174,6 +174,26 @@ def score_part(part: RolloutBatch, scorer: RewardScorer, tokenizer, dataset_row:
                                reward_components={name: shaped(v) for name, v in per_func.items()})
 
 
+def score_parts(parts: list[RolloutBatch], scorer: RewardScorer, tokenizer,
+                dataset_row: Callable[[int], dict]) -> list[RolloutBatch]:
+    """`score_part` for several parts in one call of each reward function (one reward-model forward over all their
+    samples, instead of one per part): what the scoring thread does with every part that arrived while it was busy."""
+    if len(parts) == 1:
+        return [score_part(parts[0], scorer, tokenizer, dataset_row)]
+    merged = RolloutBatch(batch_id=0, generator_id=-1, policy_version=0,
+                          prompt_ids=[i for p in parts for i in p.prompt_ids],
+                          prompt_token_ids=[t for p in parts for t in p.prompt_token_ids],
+                          completions=[g for p in parts for g in p.completions], seconds=0.0)
+    scored = score_part(merged, scorer, tokenizer, dataset_row)
+    out, start = [], 0
+    for p in parts:
+        end = start + len(p.prompt_ids)
+        out.append(dataclasses.replace(p, rewards=scored.rewards[start:end], reward_components={
+            name: values[start:end] for name, values in scored.reward_components.items()}))
+        start = end
+    return out
+
+
 def _score(batch: RolloutBatch, rows: range, scorer: RewardScorer, tokenizer,
            dataset_row: Callable[[int], dict]) -> tuple[list[float], dict[str, list[float]]]:
     """(combined score per completion of `rows`, NaN where skipped; each reward function's raw scores)."""

@@ -3,9 +3,11 @@ as it arrives, while the generators are still producing the rest, so that when t
 scoring remains before the batch can train.
 
 Owns one daemon thread (`async_rlhf-scorer`) and its queue, both on rank 0. The reader thread hands it parts in
-arrival order; it scores them in that order (`score(part) -> part` with `rewards` filled, `scoring.score_part`) and
-passes each on to `assemble` (the pipeline's reassembly, which puts a complete batch into the staleness queue). So a
-batch reaches the queue already scored, and the learner ranks do not score it again (`scoring.score_rows`).
+arrival order; it takes every part that has arrived, scores them together in one call of each reward function
+(`score(parts) -> parts` with `rewards` filled, `scoring.score_parts`: a group at a time would run a reward model on
+batches of n), and passes them on in arrival order to `assemble` (the pipeline's reassembly, which puts a complete
+batch into the staleness queue). So a batch reaches the queue already scored, and the learner ranks do not score it
+again (`scoring.score_rows`).
 
 A reward failure (a reward function that raised under `reward_failure="raise"`, ...) stops the thread; `check()`
 raises it on rank 0 from the step that waits for rollouts, and the pipeline shares it with every rank.
@@ -26,7 +28,8 @@ from async_rlhf.types import RolloutBatch
 
 
 class ScoringStage:
-    def __init__(self, score: Callable[[RolloutBatch], RolloutBatch], assemble: Callable[[RolloutBatch], bool]):
+    def __init__(self, score: Callable[[list[RolloutBatch]], list[RolloutBatch]],
+                 assemble: Callable[[RolloutBatch], bool]):
         """`assemble(part)` returns True when `part` completed its batch."""
         self.score = score
         self.assemble = assemble
@@ -57,16 +60,21 @@ class ScoringStage:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                part, arrived = self._inbox.get(timeout=0.2)
+                waiting = [self._inbox.get(timeout=0.2)]
             except queue.Empty:
                 continue
+            while True:  # and everything else that has arrived
+                try:
+                    waiting.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
             t0 = time.perf_counter()
             try:
-                scored = self.score(part)
+                scored = self.score([part for part, _ in waiting])
             except BaseException as exc:  # raised on rank 0 by the step waiting for this batch, then on every rank
                 self.failure = exc
                 return
-            spent = time.perf_counter() - t0
-            self.seconds += spent
-            if self.assemble(scored):
-                self.exposed_seconds += time.perf_counter() - arrived
+            self.seconds += time.perf_counter() - t0
+            for part, (_, arrived) in zip(scored, waiting):
+                if self.assemble(part):
+                    self.exposed_seconds += time.perf_counter() - arrived

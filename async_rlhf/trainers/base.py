@@ -33,7 +33,7 @@ from async_rlhf.generation.placement import (check_context_length, check_generat
 from async_rlhf.generation.pool_protocol import GeneratorFailed
 from async_rlhf.pipeline import RolloutPipeline
 from async_rlhf.run_summary import build_summary, format_summary
-from async_rlhf.scoring import RewardScorer, score_part, score_rows
+from async_rlhf.scoring import RewardScorer, score_parts, score_rows
 from async_rlhf.staleness_queue import StageTimeout
 from async_rlhf.trainers.nonfinite import NonFiniteGuard, NonFiniteSteps
 from async_rlhf.types import RolloutBatch, SamplingSettings, ScoredGroup
@@ -291,8 +291,8 @@ class AsyncTrainerBase(Trainer):
         """Rank 0 scores each part as it arrives (`scoring_stage.py`), unless switched off or under DeepSpeed."""
         if not self.args.score_while_generating or self.is_deepspeed_enabled:
             return None
-        return lambda part: score_part(part, self.scorer, self.processing_class,
-                                       lambda pid: self.train_dataset[self.prompt_rows[pid]])
+        return lambda parts: score_parts(parts, self.scorer, self.processing_class,
+                                         lambda pid: self.train_dataset[self.prompt_rows[pid]])
 
     # ---- interruption and checkpoints ----------------------------------------------------------------------
     def _on_signal(self, signum, frame):

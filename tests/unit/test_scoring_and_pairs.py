@@ -105,14 +105,14 @@ def test_score_rows_scores_a_ranks_slice_and_passes_extra_columns():
 
 
 def _half_none_reward(prompts, completions, completion_ids, **kw):
-    return [None if i % 3 == 0 else float(len(c)) + kw["bonus"][i] for i, c in enumerate(completions)]
+    return [None if len(c) == 1 else float(len(c)) + kw["bonus"][i] for i, c in enumerate(completions)]
 
 
 def test_a_batch_scored_as_its_parts_arrive_trains_on_the_same_rewards_and_metrics():
     # inter-stage fusion: rank 0 scores each part (`score_part`), the batch crosses ranks as JSON, and the learner
     # uses those rewards instead of scoring again; everything must equal scoring the batch in the step
     from async_rlhf.data.tiny_model import char_tokenizer
-    from async_rlhf.scoring import score_part
+    from async_rlhf.scoring import score_part, score_parts
     from async_rlhf.types import RolloutBatch
 
     tok = char_tokenizer()
@@ -124,8 +124,15 @@ def test_a_batch_scored_as_its_parts_arrive_trains_on_the_same_rewards_and_metri
                           failure="skip")
     direct, direct_metrics = score_rows(batch, range(2), scorer, tok, rows.__getitem__)
     fused = RolloutBatch.from_dict(score_part(batch, scorer, tok, rows.__getitem__).to_dict())
-    assert fused.rewards[0][0] is None  # a skipped sample crosses as None
+    assert fused.rewards[0][1] is None  # a skipped sample crosses as None
     again, metrics = score_rows(fused, range(2), scorer, tok, rows.__getitem__)
     for a, b in zip(direct, again):
         assert [str(r) for r in a.rewards] == [str(r) for r in b.rewards]  # NaN included
     assert metrics == direct_metrics
+    # parts that arrived together are scored in one call: the same rewards as each scored alone
+    halves = [RolloutBatch(3, 0, 2, [pid], [ids], [group], 0.1, chunk=c, num_chunks=2)
+              for c, (pid, ids, group) in enumerate(zip(batch.prompt_ids, batch.prompt_token_ids, comps))]
+    together = score_parts(halves, scorer, tok, rows.__getitem__)
+    alone = [score_part(h, scorer, tok, rows.__getitem__) for h in halves]
+    assert [str(p.rewards) for p in together] == [str(p.rewards) for p in alone]
+    assert [p.reward_components for p in together] == [p.reward_components for p in alone]
