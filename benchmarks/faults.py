@@ -3,8 +3,10 @@ of the same seed trained.
 
     python benchmarks/faults.py --trials 30
     python benchmarks/faults.py --trials 4 --quick       # the slow test tier's form: one learner rank only
+    python benchmarks/faults.py --trials 8 --quick --backend vllm   # streaming vLLM generators (slower starts)
 
-Each trial starts a short online DPO run on the toy task (transformers generator, `max_staleness` 1, a checkpoint
+Each trial starts a short online DPO run on the toy task (transformers generator, or with `--backend vllm` a
+streaming vLLM generator loading weights in flight, `max_staleness` 1, a checkpoint
 every 3 steps, its own `--shm_dir` under the campaign directory) in a session of its own, then SIGKILLs one
 randomly chosen victim at one randomly chosen fault point:
 
@@ -53,13 +55,14 @@ POINTS = ["before_first_step", "mid_generation", "mid_weight_sync", "mid_checkpo
 VICTIMS = ["rank0", "rank1", "generator", "launch"]
 MAX_STALENESS = 1
 RUN_TIMEOUT = 300.0
+GENERATOR = ["--generator_backend", "transformers"]  # `--backend vllm`: streaming, weights loaded in flight
 
 
 # ---- one run ----------------------------------------------------------------------------------------------------
 def command(out: str, shm: str, seed: int, steps: int, ranks: int, resume: bool) -> list[str]:
     launch = ([sys.executable, "-m", "accelerate.commands.launch", "--config_file", TWO_RANKS] if ranks == 2
               else [sys.executable])
-    return launch + [RECIPE, "--task", "toy", "--generator_backend", "transformers", "--max_steps", str(steps),
+    return launch + [RECIPE, "--task", "toy", *GENERATOR, "--max_steps", str(steps),
                      "--save_strategy", "steps", "--save_steps", "3", "--max_staleness", str(MAX_STALENESS),
                      "--seed", str(seed), "--output_dir", out, "--shm_dir", shm, "--disable_tqdm", "true",
                      "--rollout_timeout", "60", "--generator_start_timeout", "120"] + (
@@ -345,6 +348,7 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trials", type=int, default=30)
+    p.add_argument("--backend", default="transformers", choices=["transformers", "vllm"])
     p.add_argument("--quick", action="store_true", help="one learner rank only (no accelerate launch): faster")
     p.add_argument("--max_steps", type=int, default=12)
     p.add_argument("--seed", type=int, default=0, help="seed of the campaign's random choices")
@@ -353,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default=None, help="where runs are kept (default: a new temporary directory); the "
                                                "output of exact trials is deleted, that of the others kept")
     a = p.parse_args(argv)
+    if a.backend == "vllm":
+        GENERATOR[:] = ["--generator_backend", "vllm", "--weight_load", "in_flight"]
     rng = random.Random(a.seed)
     root = a.dir or tempfile.mkdtemp(prefix="async_rlhf-faults-")
     os.makedirs(root, exist_ok=True)
