@@ -15,8 +15,8 @@ Policy versions: the truth is the learner's optimizer-step count, `trainer.state
 weights after v optimizer steps; it is what a checkpoint restores). Everything else is derived from it and never
 counted on its own: `queued_version` is the step of the last weight sync (set only from the step passed to
 `after_optimizer_step`, or the checkpoint's step at start), a generator's loaded version is the `WeightUpdate.version`
-it last loaded (`pool.acks`), and a `RolloutBatch.policy_version` is the loaded version of the generator that
-sampled it.
+it last loaded (`pool.acks`), and a `RolloutBatch.policy_version` is the version its oldest token was sampled with
+(the generator's loaded version when it took the request; later tokens may be newer with in-flight loads).
 
 Generation therefore overlaps training by up to `max_staleness` steps and never more. The learner never waits
 for a weight *load*: FIFO inboxes guarantee a generator loads version v before it samples any batch dispatched
