@@ -97,17 +97,24 @@ def test_checkpoint_from_another_model_or_incomplete_is_refused_before_generator
         trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
 
 
-def _recipe(out, *extra):
+GENERATORS = {"transformers": ["--generator_backend", "transformers"],  # batch-level
+              "vllm": ["--generator_backend", "vllm", "--weight_load", "in_flight"]}  # streaming, weights in flight
+
+
+def _recipe(out, *extra, generator="transformers"):
     return [sys.executable, os.path.join(ROOT, "recipes/online_dpo.py"), "--task", "toy", "--output_dir", str(out),
             "--max_steps", str(STEPS), "--per_device_train_batch_size", "4", "--max_new_tokens", "8", "--max_length", "48",
-            "--max_staleness", "1", "--generator_backend", "transformers", "--save_strategy", "steps",
+            "--max_staleness", "1", *GENERATORS[generator], "--save_strategy", "steps",
             "--save_steps", "5", "--disable_tqdm", "true", "--seed", "3", *extra]
 
 
-def test_kill_minus_9_at_a_random_point_then_resume_loses_nothing(tmp_path):
+@pytest.mark.parametrize("generator", ["transformers", "vllm"])
+def test_kill_minus_9_at_a_random_point_then_resume_loses_nothing(tmp_path, generator):
+    if generator == "vllm":
+        pytest.importorskip("vllm")
     out = tmp_path / "run"
     env = {**os.environ, "WANDB_MODE": "disabled"}
-    proc = subprocess.Popen(_recipe(out), cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    proc = subprocess.Popen(_recipe(out, generator=generator), cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     target = random.randint(7, STEPS - 8)  # a random step: mid-save, mid-sync or mid-generation, by chance
     records = out / "trained_batches.jsonl"
@@ -120,8 +127,8 @@ def test_kill_minus_9_at_a_random_point_then_resume_loses_nothing(tmp_path):
         os.killpg(proc.pid, signal.SIGKILL)  # the whole run: learner and generator
         proc.wait(30)
     killed_at = latest_complete_checkpoint(str(out))
-    subprocess.run(_recipe(out, "--resume_from_checkpoint", "last", "--rollout_timeout", "60"), cwd=ROOT, env=env,
-                   check=True, capture_output=True, timeout=300)
+    subprocess.run(_recipe(out, "--resume_from_checkpoint", "last", "--rollout_timeout", "60", generator=generator),
+                   cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
     summary = json.loads((out / "run_summary.json").read_text())
     assert killed_at is not None and not killed_at.endswith(f"-{STEPS}"), "the kill came after the run ended"
     assert summary["steps"] == STEPS, killed_at
@@ -136,6 +143,8 @@ def test_kill_minus_9_at_a_random_point_then_resume_loses_nothing(tmp_path):
     for step, r in final.items():
         assert r["prompt_ids"] == stream.prompts_for_step(step)  # no prompt skipped or trained twice
         assert step - r["policy_version"] <= 1  # the staleness bound held across the kill
+        for group in r["sample_versions"]:  # for every sample's oldest token (several versions when loaded in flight)
+            assert all(step - 1 <= oldest <= newest <= step for oldest, newest in group), (step, group)
     seen = [i for s in range(min(stream.steps_per_epoch, STEPS)) for i in final[s]["prompt_ids"]]
     assert len(seen) == len(set(seen))
 
