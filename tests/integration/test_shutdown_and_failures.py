@@ -63,22 +63,7 @@ def test_sigterm_mid_run_exits_promptly_and_leaves_no_process(tmp_path):
            "--max_steps", "100000", "--generator_backend", "transformers", "--per_device_train_batch_size", "2",
            "--max_new_tokens", "6", "--max_length", "48", "--disable_tqdm", "true"]
     log = tmp_path / "log.txt"
-    proc = start_logged(cmd, log)
-    try:
-        wait_for(lambda: (out / "metrics.jsonl").exists(), 180, proc, log, "the first logged step")
-        family = psutil.Process(proc.pid).children(recursive=True)
-        assert family, "expected a generator process"
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pytest.fail("the run did not exit within 60 s of SIGTERM\n" + log_tail(log))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    time.sleep(1.0)
-    alive = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    assert not alive, f"left alive: {[p.cmdline() for p in alive]}"
+    proc = _signal_a_running_run(cmd, out, log, "SIGTERM", group=False)
     assert proc.returncode != 0
 
 
@@ -91,23 +76,7 @@ def test_ctrl_c_to_the_process_group_checkpoints_restarts_nothing_and_leaves_no_
            "--max_steps", "100000", "--generator_backend", "transformers", "--per_device_train_batch_size", "2",
            "--max_new_tokens", "150", "--max_length", "200", "--max_staleness", "0", "--disable_tqdm", "true"]
     log = tmp_path / "log.txt"
-    proc = start_logged(cmd, log, own_session=True)
-    try:
-        wait_for(lambda: (out / "metrics.jsonl").exists(), 180, proc, log, "the first logged step")
-        family = psutil.Process(proc.pid).children(recursive=True)
-        assert family, "expected a generator process"
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pytest.fail("the run did not exit within 60 s of Ctrl-C\n" + log_tail(log))
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    time.sleep(1.0)
-    alive = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    assert not alive, f"left alive: {[p.cmdline() for p in alive]}"
+    _signal_a_running_run(cmd, out, log, "Ctrl-C", group=True)
     text = log_tail(log, 100_000)
     assert "stopped by signal 2 after saving checkpoint-" in text, text[-4000:]
     assert "restarting" not in text and "KeyboardInterrupt: \n" not in text, text[-4000:]
@@ -185,3 +154,32 @@ def test_a_policy_without_a_directory_leaves_nothing_in_shm_dir(tmp_path, tiny_m
     names, removed = seen[0]
     assert [n.split("-")[1] for n in names] == ["init", "weights"] and removed == [], seen
     assert os.listdir(shm) == []
+
+
+def _signal_a_running_run(cmd: list[str], out, log, what: str, group: bool) -> subprocess.Popen:
+    """Start `cmd`, wait for its first logged step, send SIGTERM to it (or, with `group`, SIGINT to its whole process
+    group, as Ctrl-C does); assert it exits within 60 s and leaves none of its processes alive. Returns it."""
+    proc = start_logged(cmd, log, own_session=group)
+    try:
+        wait_for(lambda: (out / "metrics.jsonl").exists(), 180, proc, log, "the first logged step")
+        family = psutil.Process(proc.pid).children(recursive=True)
+        assert family, "expected a generator process"
+        if group:
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the run did not exit within 60 s of {what}\n" + log_tail(log))
+    finally:
+        if proc.poll() is None:
+            if group:
+                os.killpg(proc.pid, signal.SIGKILL)
+            else:
+                proc.kill()
+            proc.wait()
+    time.sleep(1.0)
+    alive = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"left alive: {[p.cmdline() for p in alive]}"
+    return proc
