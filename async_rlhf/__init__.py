@@ -8,14 +8,14 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "AsyncOnlineDPOTrainer": "async_rlhf.trainers.online_dpo",
-    "AsyncOnlineDPOConfig": "async_rlhf.config",
+    "AsyncOnlineDPOConfig": "async_rlhf.algorithm_configs",
     "AsyncRLConfig": "async_rlhf.config",
     "AsyncRLOOTrainer": "async_rlhf.trainers.rloo",
-    "AsyncRLOOConfig": "async_rlhf.config",
+    "AsyncRLOOConfig": "async_rlhf.algorithm_configs",
     "AsyncPPOTrainer": "async_rlhf.trainers.ppo",
-    "AsyncPPOConfig": "async_rlhf.config",
+    "AsyncPPOConfig": "async_rlhf.algorithm_configs",
     "AsyncBestOfNTrainer": "async_rlhf.trainers.best_of_n",
-    "AsyncBestOfNConfig": "async_rlhf.config",
+    "AsyncBestOfNConfig": "async_rlhf.algorithm_configs",
 }
 
 

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from async_rlhf.config import AsyncBestOfNConfig
+from async_rlhf.algorithm_configs import AsyncBestOfNConfig
 from async_rlhf.logprobs import sequence_terms
 from async_rlhf.losses.off_policy import log_ratio_stats
 from async_rlhf.losses.sft import best_of_n_nll

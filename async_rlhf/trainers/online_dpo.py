@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from async_rlhf.config import AsyncOnlineDPOConfig
+from async_rlhf.algorithm_configs import AsyncOnlineDPOConfig
 from async_rlhf.logprobs import sequence_terms
 from async_rlhf.losses.dpo import dpo_loss
 from async_rlhf.losses.off_policy import log_ratio_stats

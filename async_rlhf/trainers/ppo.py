@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from async_rlhf.config import AsyncPPOConfig
+from async_rlhf.algorithm_configs import AsyncPPOConfig
 from async_rlhf.logprobs import sequence_terms
 from async_rlhf.losses.ppo import gae_advantages, ppo_policy_loss, ppo_value_loss, whiten
 from async_rlhf.trainers.base import AsyncTrainerBase

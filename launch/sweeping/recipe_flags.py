@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from async_rlhf.config import AsyncBestOfNConfig, AsyncOnlineDPOConfig, AsyncPPOConfig, AsyncRLOOConfig
+from async_rlhf.algorithm_configs import AsyncBestOfNConfig, AsyncOnlineDPOConfig, AsyncPPOConfig, AsyncRLOOConfig
 from async_rlhf.tasks import ScriptArguments
 
 from launch.sweeping import ROOT

@@ -253,7 +253,7 @@ def test_doc_accelerate_commands_print_no_defaults_notice(where, command, tokens
                                                                           "--beta", "0.2"]])
 def test_list_fields_take_comma_and_space_separated_values(argv):
     from async_rlhf.cli import parse_args
-    from async_rlhf.config import AsyncOnlineDPOConfig
+    from async_rlhf.algorithm_configs import AsyncOnlineDPOConfig
     from async_rlhf.tasks import ScriptArguments
 
     _, config = parse_args((ScriptArguments, AsyncOnlineDPOConfig), ["--task", "toy"] + argv)
@@ -262,7 +262,7 @@ def test_list_fields_take_comma_and_space_separated_values(argv):
 
 def test_list_of_numbers_and_yaml_strings_split_too(tmp_path):
     from async_rlhf.cli import parse_args
-    from async_rlhf.config import AsyncOnlineDPOConfig
+    from async_rlhf.algorithm_configs import AsyncOnlineDPOConfig
     from async_rlhf.tasks import ScriptArguments
 
     _, config = parse_args((ScriptArguments, AsyncOnlineDPOConfig),

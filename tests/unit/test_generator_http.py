@@ -15,7 +15,8 @@ import time
 import pytest
 import torch
 
-from async_rlhf.config import AsyncOnlineDPOConfig, ConfigError
+from async_rlhf.config import ConfigError
+from async_rlhf.algorithm_configs import AsyncOnlineDPOConfig
 from async_rlhf.generation import http_client, serve
 from async_rlhf.generation.http_client import ServerError, Unauthorized, WeightSyncClient
 from async_rlhf.generation.pool_protocol import GeneratorFailed

@@ -6,8 +6,8 @@ import math
 import pytest
 
 from async_rlhf.cli import parse_args
-from async_rlhf.config import (AsyncOnlineDPOConfig, AsyncPPOConfig, AsyncRLOOConfig, ConfigError,
-                               ROLLOUT_TIMEOUT_MARGIN)
+from async_rlhf.config import ConfigError, ROLLOUT_TIMEOUT_MARGIN
+from async_rlhf.algorithm_configs import AsyncOnlineDPOConfig, AsyncPPOConfig, AsyncRLOOConfig
 
 
 def make(cls=AsyncOnlineDPOConfig, **kw):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from datasets import Dataset
 
-from async_rlhf import config as c
+from async_rlhf import algorithm_configs as c
 from async_rlhf.cli import parse_args
 from async_rlhf.config import ConfigError
 from async_rlhf.tasks import ScriptArguments, task_defaults
