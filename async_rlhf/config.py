@@ -108,7 +108,16 @@ class AsyncRLConfig(TrainingArguments):
     )
     generator_devices: list[str] = field(
         default_factory=lambda: ["cpu"],
-        metadata={"help": "One entry per generator process: 'cpu' or 'cuda:<i>' (must not be a learner's GPU)."},
+        metadata={"help": "One entry per generator process: 'cpu' or 'cuda:<i>' (a learner's GPU only with "
+                  "colocate)."},
+    )
+    colocate: bool = field(
+        default=False,
+        metadata={"help": "Let generators share the learners' devices (one GPU for everything; TRL's "
+                  "vllm_mode='colocate'). vLLM then takes vllm_gpu_memory_utilization of the GPU next to the "
+                  "learner (0.3 leaves room for a small policy's training), and a generator on learner rank 0's GPU "
+                  "receives weights as CUDA IPC handles to rank 0's copy (no bytes copied between processes); "
+                  "elsewhere, and on CPU, through shm files as usual. Staleness and records are unchanged."},
     )
     generator_threads: int | None = field(
         default=None, metadata={"help": "torch/OMP threads per CPU generator (None: half the cores, at least 1)."}
@@ -267,6 +276,15 @@ class AsyncRLConfig(TrainingArguments):
         local_generators = 0 if self.generator_servers else sum(d == "cpu" for d in self.generator_devices)
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         return max(1, (cores - local_generators * self.generator_threads) // local_ranks)
+
+    @property
+    def weight_transport(self) -> str:
+        """'ipc' when every generator is colocated on learner rank 0's GPU (cuda:0 of its node: learners take
+        cuda:0..n-1), else 'shm'."""
+        if self.colocate and not self.generator_servers and self.device.type == "cuda" and all(
+                d == "cuda:0" for d in self.generator_devices):
+            return "ipc"
+        return "shm"
 
     @property
     def streaming(self) -> bool:

@@ -45,7 +45,7 @@ from async_rlhf.generation.worker import GeneratorSpec
 from async_rlhf.prompt_stream import PromptStream
 from async_rlhf.staleness_queue import StageTimeout, StalenessQueue
 from async_rlhf.types import GenerationRequest, RolloutBatch, SamplingSettings
-from async_rlhf.weight_sync import ShmWeightTransport, gather_full_state
+from async_rlhf.weight_sync import ShmWeightTransport, gather_full_state, make_transport
 from async_rlhf.weight_sync.transport import WeightTransport, WeightTransportError
 from async_rlhf.rank_share import check_logprobs_finite, share_batch
 from async_rlhf.scoring import RewardError
@@ -125,7 +125,7 @@ class RolloutPipeline:
                 a.generator_start_timeout, a.weight_sync_timeout, request_timeout=a.rollout_timeout,
                 token=os.environ.get(TOKEN_ENV, ""), min_model_len=a.max_length)
         else:
-            self.transport = ShmWeightTransport(a.shm_dir)
+            self.transport = make_transport(a, self.accelerator.device)
             specs = [
                 GeneratorSpec(generator_id=i, backend=a.generator_backend, model_path=self.generator_model_path,
                               device=dev, seed=a.seed + i, threads=a.generator_threads,
@@ -199,7 +199,7 @@ class RolloutPipeline:
         """Call on every rank after the optimizer step that produced `version`."""
         if version % self.args.sync_every == 0:
             t0 = time.perf_counter()
-            state = gather_full_state(model, self.is_main)
+            state = gather_full_state(model, self.is_main, device=getattr(self.transport, "device", "cpu"))
             t1 = time.perf_counter()
             if self.is_main and self._sync_failure is None:
                 try:

@@ -120,16 +120,18 @@ class WeightUpdate:
 
     transport "shm": a safetensors file in RAM (/dev/shm) at `path`; "broadcast": tensors arrive over the
     torch.distributed group set up with the generator (`weight_sync/broadcast.py`), one per entry of `names`, in
-    that order, each with the dtype and shape given here.
+    that order, each with the dtype and shape given here; "ipc": each tensor is learner rank 0's device memory, named
+    by a CUDA IPC handle per entry of `names` (`weight_sync/ipc.py`; colocated mode).
     """
 
     version: int
-    transport: str  # "shm" | "broadcast"
+    transport: str  # "shm" | "broadcast" | "ipc"
     path: str = ""
     names: list[str] = field(default_factory=list)  # [K] state_dict names
     num_bytes: int = 0
-    dtypes: list[str] = field(default_factory=list)  # [K] torch dtype names ("float32", ...); "broadcast" only
-    shapes: list[list[int]] = field(default_factory=list)  # [K] tensor shapes; "broadcast" only
+    dtypes: list[str] = field(default_factory=list)  # [K] torch dtype names ("float32", ...); "broadcast" and "ipc"
+    shapes: list[list[int]] = field(default_factory=list)  # [K] tensor shapes; "broadcast" and "ipc"
+    ipc_handles: list[dict] = field(default_factory=list)  # [K] {GPU UUID: reduce_tensor args}; "ipc" only
     kind = "weights"
 
 

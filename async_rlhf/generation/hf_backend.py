@@ -101,8 +101,16 @@ class HFBackend:
             if self._group is None:
                 raise RuntimeError("a 'broadcast' weight update before join_weight_group")
             self.model.load_state_dict(dict(receive_weights(self._group, update)), strict=True)
+        elif update.transport == "ipc":  # learner rank 0's device memory on this GPU (colocated mode)
+            from async_rlhf.weight_sync.ipc import rebuild
+
+            index = torch.device(self.device).index or 0
+            shared = {n: rebuild(h, index) for n, h in zip(update.names, update.ipc_handles, strict=True)}
+            self.model.load_state_dict(shared, strict=True)  # copies: the learner may free the version after the ack
+            torch.cuda.synchronize(index)
         else:
-            raise NotImplementedError(f"HFBackend loads weights over 'shm' or 'broadcast', got {update.transport!r}")
+            raise NotImplementedError(f"HFBackend loads weights over 'shm', 'broadcast' or 'ipc', "
+                                      f"got {update.transport!r}")
 
     num_workers = 1  # members this backend adds to a weight broadcast group
     _group = None

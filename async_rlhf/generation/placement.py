@@ -1,7 +1,7 @@
 """Where generators run and what they start from, decided on the learner before any generator starts.
 
-- `check_generator_devices`: the devices named in `generator_devices` exist and no learner rank uses them (checked
-  before any model loads, so a typo costs seconds, not a model load).
+- `check_generator_devices`: the devices named in `generator_devices` exist and no learner rank uses them unless
+  `colocate` says so (checked before any model loads, so a typo costs seconds, not a model load).
 - `check_context_length`: `max_length` (and vLLM's `vllm_max_model_len`) fit the policy's positions (checked from its
   config before any model loads: vLLM would otherwise refuse only once the generator's engine starts).
 - `engine_kwargs`: the engine settings a generator backend is built with (dtype of the learner's policy; vLLM's
@@ -35,13 +35,14 @@ def check_generator_devices(args: AsyncRLConfig) -> None:
         valid = ["cpu"] + [f"cuda:{i}" for i in range(count)]
         raise ConfigError(f"generator_devices: {missing} not on this machine, which has {count} GPU(s); "
                           f"valid devices here: {valid}")
-    if args.device.type != "cuda":
+    if args.device.type != "cuda" or args.colocate:
         return
     learner = {f"cuda:{i}" for i in range(int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size)))}
     clash = sorted(set(args.generator_devices) & learner)
     if clash:
         raise ConfigError(f"generator_devices: {clash} are also used by learner ranks ({sorted(learner)}); give the "
-                          "generators their own GPUs (e.g. launch learners on cuda:0-5 and generators on cuda:6,7)")
+                          "generators their own GPUs (e.g. launch learners on cuda:0-5 and generators on cuda:6,7), "
+                          "or share them with --colocate true (one GPU: see README's topologies)")
 
 
 def check_context_length(args: AsyncRLConfig, model_config) -> None:
@@ -79,7 +80,7 @@ def engine_kwargs(args: AsyncRLConfig, policy: torch.nn.Module) -> dict:
         return {"dtype": dtype}
     return {"dtype": dtype, "max_model_len": args.vllm_max_model_len or args.max_length,
             "gpu_memory_utilization": args.vllm_gpu_memory_utilization, "enforce_eager": args.vllm_enforce_eager,
-            "tensor_parallel_size": args.vllm_tensor_parallel_size}
+            "tensor_parallel_size": args.vllm_tensor_parallel_size, "weight_transport": args.weight_transport}
 
 
 def initial_model_dir(source_path: str | None, model, tokenizer, accelerator,

@@ -77,6 +77,7 @@ class VLLMBackend:
         enable_prefix_caching: bool = True,
         kv_cache_memory_bytes: int | None = None,  # None: DEFAULT_CPU_KV_CACHE_BYTES on CPU, the fraction on GPU
         in_process: bool = True,  # VLLM_ENABLE_V1_MULTIPROCESSING=0; see the module docstring
+        weight_transport: str = "shm",  # "ipc": colocated on learner rank 0's GPU (vLLM's own "ipc" engine)
     ) -> None:
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
@@ -88,6 +89,8 @@ class VLLMBackend:
         platform = "cpu" if current_platform.is_cpu() else current_platform.device_type
         if platform != device:
             raise ValueError(f"VLLMBackend(device={device!r}) but the installed vLLM runs on {platform!r}")
+        if weight_transport not in ("shm", "ipc") or (weight_transport == "ipc" and device != "cuda"):
+            raise ValueError(f"weight_transport must be 'shm', or 'ipc' on cuda; got {weight_transport!r} on {device}")
         if device == "cpu":
             _check_cpu_head_size(model_path)
             kv_cache_memory_bytes = kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
@@ -109,10 +112,14 @@ class VLLMBackend:
             enable_prefix_caching=enable_prefix_caching,
             logprobs_mode="processed_logprobs",
             worker_extension_cls=EXTENSION,
-            weight_transfer_config={"backend": vllm_shm_engine.BACKEND},
+            weight_transfer_config={"backend": vllm_shm_engine.BACKEND if weight_transport == "shm" else "ipc"},
         )
-        self._weights = WeightTransferTrainerFactory.trainer_init(
-            vllm_shm_engine.ShmTrainerInitInfo(rank=0), client=LLMClient(self._llm))
+        self._client = LLMClient(self._llm)
+        if weight_transport == "shm":
+            self._weights = WeightTransferTrainerFactory.trainer_init(
+                vllm_shm_engine.ShmTrainerInitInfo(rank=0), client=self._client)
+        else:  # the learner made the IPC handles; we are its client (what IPCTrainerWeightTransferEngine.trainer_init
+            self._client.init_weight_transfer_engine({"packed": False})  # sends before its first update)
 
     @property
     def llm(self) -> LLM:
@@ -154,8 +161,15 @@ class VLLMBackend:
             self.llm.collective_rpc("load_broadcast_weights", kwargs={
                 "version": update.version, "names": update.names, "dtypes": update.dtypes, "shapes": update.shapes})
             self.llm.update_weight_version(str(update.version))
+        elif update.transport == "ipc":  # vLLM's "ipc" engine, unpacked: the learner's tensors mapped, then loaded
+            self._check_names(update.names)
+            self._check_shapes(update.names, update.shapes)
+            self._client.start_weight_update()
+            self._client.update_weights({"names": update.names, "dtype_names": update.dtypes,
+                                         "shapes": update.shapes, "ipc_handles": update.ipc_handles})
+            self._client.finish_weight_update(weight_version=str(update.version))
         else:
-            raise ValueError(f"unknown weight transport {update.transport!r}; expected 'shm' or 'broadcast'")
+            raise ValueError(f"unknown weight transport {update.transport!r}; expected 'shm', 'broadcast' or 'ipc'")
         # Cached prefix blocks hold keys/values computed by the old weights. Requests still running (a streaming
         # generator loading weights in flight, `stream_engine.py`) are preempted and recomputed: their next tokens
         # are sampled from the new weights over the whole context, exactly as a fresh request would be.

@@ -31,12 +31,14 @@ def is_zero3_partitioned(model: torch.nn.Module) -> bool:
     return any(hasattr(p, "ds_id") for p in model.parameters())
 
 
-def gather_full_state(model: torch.nn.Module, is_main: bool) -> "OrderedDict[str, torch.Tensor] | None":
+def gather_full_state(model: torch.nn.Module, is_main: bool,
+                      device: str | torch.device = "cpu") -> "OrderedDict[str, torch.Tensor] | None":
+    """`device`: where rank 0's copy lives (the learner's GPU for the "ipc" transport)."""
     model = _unwrap(model)
     if not is_zero3_partitioned(model):
         if not is_main:
             return None
-        return OrderedDict((k, v.detach().to("cpu", copy=True)) for k, v in model.state_dict().items())
+        return OrderedDict((k, v.detach().to(device, copy=True)) for k, v in model.state_dict().items())
 
     import deepspeed
 
@@ -46,10 +48,10 @@ def gather_full_state(model: torch.nn.Module, is_main: bool) -> "OrderedDict[str
     for name, param in model.named_parameters(remove_duplicate=False):
         with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
             if out is not None and name in wanted:
-                out[name] = param.detach().to("cpu", copy=True)
+                out[name] = param.detach().to(device, copy=True)
     if out is not None:
         for name, buf in model.named_buffers():  # buffers are never partitioned
             if name in wanted:
-                out[name] = buf.detach().to("cpu", copy=True)
+                out[name] = buf.detach().to(device, copy=True)
         out = OrderedDict((k, out[k]) for k in model.state_dict().keys() if k in out)  # the state_dict's order
     return out

@@ -105,3 +105,21 @@ def test_shm_dir_too_small_for_the_policy_is_refused_before_it_loads(tmp_path):
                                           r"2048.00 GiB"):
         AsyncOnlineDPOTrainer(str(model), reward_funcs=reward, args=make(shm_dir="/dev/shm"),
                               train_dataset=Dataset.from_dict({"prompt": ["x"]}))
+
+
+def test_colocate_is_shm_on_cpu_and_ipc_refuses_a_cpu_learner(tmp_path):
+    """Colocated mode on CPU runs the same pipeline with the shm transport; the ipc transport is CUDA only and says
+    so before anything is published."""
+    import torch
+
+    from async_rlhf.weight_sync import ShmWeightTransport, make_transport
+    from async_rlhf.weight_sync.ipc import IpcWeightTransport
+    from async_rlhf.weight_sync.transport import WeightTransportError
+
+    args = AsyncOnlineDPOConfig(output_dir=str(tmp_path), colocate=True, use_cpu=True)
+    assert args.weight_transport == "shm"
+    transport = make_transport(args, torch.device("cpu"))
+    assert isinstance(transport, ShmWeightTransport)
+    transport.close()
+    with pytest.raises(WeightTransportError, match="needs a CUDA learner device"):
+        IpcWeightTransport(torch.device("cpu"))
