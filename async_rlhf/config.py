@@ -230,8 +230,6 @@ class AsyncRLConfig(TrainingArguments):
             _require(getattr(self, name) in allowed, name, f"{getattr(self, name)!r} is not one of {allowed}")
         _require(self.generation_mode != "stream" or self.generator_backend == "vllm" or self.generator_servers,
                  "generation_mode", "'stream' needs generator_backend='vllm' (transformers samples whole batches)")
-        _require(self.weight_load == "drain" or not self.generator_servers, "weight_load",
-                 "'in_flight' is not available with generator_servers yet (their updates wait for running requests)")
         self._check_generator_servers()
         check_dir("shm_dir", self.shm_dir)
         _require(self.reward_failure in REWARD_FAILURE_POLICIES, "reward_failure",

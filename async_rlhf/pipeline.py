@@ -123,7 +123,7 @@ class RolloutPipeline:
             self.pool = HTTPGeneratorPool(
                 a.generator_servers, self._on_rollouts, self.transport, self.generator_model_path, initial_version,
                 a.generator_start_timeout, a.weight_sync_timeout, request_timeout=a.rollout_timeout,
-                token=os.environ.get(TOKEN_ENV, ""), min_model_len=a.max_length)
+                token=os.environ.get(TOKEN_ENV, ""), min_model_len=a.max_length, weight_load=a.weight_load)
         else:
             self.transport = make_transport(a, self.accelerator.device)
             specs = [

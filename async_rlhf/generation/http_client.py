@@ -4,13 +4,16 @@ Every call sends the bearer token (when one is set) and has a timeout; every fai
 message naming the route and what went wrong (status and the server's body, a refused token, a timeout, a reset
 connection, JSON that is not what vLLM sends). Nothing here retries: the pool decides what a failure means.
 
-* `complete` (async, aiohttp): one prompt's `n` samples from `/v1/completions`, with the prompt as token ids,
-  `return_token_ids`, and `logprobs: 0`, which vLLM answers with the sampled token's log-prob only (under
-  `--logprobs-mode processed_logprobs`: of the distribution actually sampled). The answer is parsed strictly: a
-  NaN/Infinity constant, a null log-prob (vLLM writes NaN as null) or vLLM's clamp value -9999.0 (a log-prob of
-  -inf) is refused, as are token and log-prob lists of different lengths.
+* `generate` (async, aiohttp): one prompt's `n` samples from vLLM's token-in token-out route
+  `/inference/v1/generate` (served with `--enable-scale-out`), with `logprobs: 0`, which vLLM answers with the
+  sampled token's log-prob only (under `--logprobs-mode processed_logprobs`: of the distribution actually sampled),
+  and with each sample's weight-version spans, so every token carries the policy version that sampled it. The
+  answer is parsed strictly: a NaN/Infinity constant, a null log-prob (vLLM writes NaN as null) or vLLM's clamp value
+  -9999.0 (a log-prob of -inf) is refused, as are token and log-prob lists of different lengths and spans that do
+  not cover the sample from its first token.
 * `WeightSyncClient` (blocking, `requests`): the four methods of vLLM's `VLLMWeightSyncClient`, which vLLM's
-  trainer-side engines drive (`weight_sync/vllm_shm_engine.py`). vLLM's own `HTTPVLLMWeightSyncClient` sends no
+  trainer-side engines drive (`weight_sync/vllm_shm_engine.py`), plus `/pause?mode=keep`, `/resume` and
+  `/reset_prefix_cache` for weight loads under running requests. vLLM's own `HTTPVLLMWeightSyncClient` sends no
   token, hence this one.
 """
 
@@ -73,33 +76,57 @@ def check_status(route: str, status: int, text: str) -> None:
         raise ServerError(f"{route}: HTTP {status}: {text[:500]}")
 
 
-def completion_body(model: str, prompt: list[int], settings: SamplingSettings, seed: int | None) -> dict:
-    return {"model": model, "prompt": prompt, "n": settings.n, "max_tokens": settings.max_new_tokens,
-            "temperature": settings.temperature, "top_p": settings.top_p, "top_k": settings.top_k, "seed": seed,
-            "logprobs": 0, "return_token_ids": True, "skip_special_tokens": False}
+GENERATE = "/inference/v1/generate"  # vLLM's token-in token-out route (`--enable-scale-out`)
 
 
-def parse_completions(answer: Any, n: int, route: str = "/v1/completions") -> list[Completion]:
-    """The `n` completions of one prompt from vLLM's answer, in sample order. Raises ServerError."""
+def generate_body(model: str, prompt: list[int], settings: SamplingSettings, seed: int | None) -> dict:
+    return {"model": model, "token_ids": prompt, "output_mode": "tokens",
+            "sampling_params": {"n": settings.n, "max_tokens": settings.max_new_tokens,
+                                "temperature": settings.temperature, "top_p": settings.top_p,
+                                "top_k": max(settings.top_k, 0), "seed": seed, "logprobs": 0, "detokenize": False}}
+
+
+def _version(label: Any, default: int) -> int:
+    """A weight-version label as vLLM returns it: ours (str(policy version)), or "default" before any update."""
+    if label == "default":
+        return default
+    if not (isinstance(label, str) and label.isdigit()):
+        raise ValueError(f"weight version {label!r} is not a policy version")
+    return int(label)
+
+
+def parse_generated(answer: Any, n: int, default_version: int, route: str = GENERATE) -> list[Completion]:
+    """The `n` completions of one prompt from vLLM's `/inference/v1/generate` answer, in sample order, each with its
+    tokens' weight versions (`default_version` for the server's start-up weights). Raises ServerError."""
     try:
         choices = sorted(answer["choices"], key=lambda c: c["index"])
         if len(choices) != n:
             raise ValueError(f"{len(choices)} choices for n={n}")
         out = []
         for c in choices:
-            tokens, logprobs = c["token_ids"], c["logprobs"]["token_logprobs"]
-            if not (isinstance(tokens, list) and isinstance(logprobs, list) and len(tokens) == len(logprobs)):
-                raise ValueError("token_ids and logprobs.token_logprobs differ in length (or are missing)")
+            tokens, content = c["token_ids"], c["logprobs"]["content"]
+            if not (isinstance(tokens, list) and isinstance(content, list) and len(tokens) == len(content)):
+                raise ValueError("token_ids and logprobs.content differ in length (or are missing)")
             if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
                 raise ValueError("token_ids must be non-negative integers")
-            for t, lp in enumerate(logprobs):
+            logprobs = []
+            for t, (token, entry) in enumerate(zip(tokens, content)):
+                lp = entry["logprob"]
+                if entry["token_id"] != token:
+                    raise ValueError(f"log-prob of token {entry['token_id']} for sampled token {token}")
                 if not isinstance(lp, (int, float)) or isinstance(lp, bool) or not math.isfinite(lp) \
                         or lp <= CLAMPED_LOGPROB:
                     raise ValueError(f"non-finite behaviour log-prob {lp!r} for sample {c['index']}, token {t}")
+                logprobs.append(float(lp))
             if c["finish_reason"] not in ("stop", "length"):
                 raise ValueError(f"finish_reason {c['finish_reason']!r}")
-            out.append(Completion(token_ids=tokens, logprobs=[float(x) for x in logprobs],
-                                  finish_reason=c["finish_reason"]))
+            spans = c.get("weight_versions") or []
+            starts = [[_version(sp["version"], default_version), sp["start"]] for sp in spans if sp["end"] > sp["start"]]
+            if tokens and (not starts or starts[0][1] != 0):
+                raise ValueError(f"weight_versions {spans} do not start at token 0 (is the server started with "
+                                 "--enable-scale-out by `python -m async_rlhf.generation.serve`?)")
+            out.append(Completion(token_ids=tokens, logprobs=logprobs, finish_reason=c["finish_reason"],
+                                  version_starts=starts))
         return out
     except (KeyError, TypeError, ValueError) as exc:
         raise ServerError(f"{route}: unexpected answer ({type(exc).__name__}: {exc})") from None
@@ -122,11 +149,11 @@ async def request_json(session, method: str, url: str, route: str, timeout: floa
     return parse_json(text, route)
 
 
-async def complete(session, url: str, model: str, prompt: list[int], settings: SamplingSettings, seed: int | None,
-                   timeout: float, token: str) -> list[Completion]:
-    answer = await request_json(session, "POST", url, "/v1/completions", timeout, token,
-                                completion_body(model, prompt, settings, seed))
-    return parse_completions(answer, settings.n)
+async def generate(session, url: str, model: str, prompt: list[int], settings: SamplingSettings, seed: int | None,
+                   timeout: float, token: str, default_version: int) -> list[Completion]:
+    answer = await request_json(session, "POST", url, GENERATE, timeout, token,
+                                generate_body(model, prompt, settings, seed))
+    return parse_generated(answer, settings.n, default_version)
 
 
 class WeightSyncClient:
@@ -138,7 +165,7 @@ class WeightSyncClient:
         self.token = token
         self.timeout = timeout
 
-    def _post(self, route: str, body: dict | None = None) -> None:
+    def _post(self, route: str, body: dict | None = None) -> Any:
         import requests
 
         try:
@@ -149,7 +176,7 @@ class WeightSyncClient:
         except (requests.RequestException, OSError) as exc:
             raise ServerError(f"{route}: {type(exc).__name__}: {exc}") from None
         check_status(route, response.status_code, response.text)
-        parse_json(response.text, route)  # vLLM answers JSON: anything else is not a vLLM server
+        return parse_json(response.text, route)  # vLLM answers JSON: anything else is not a vLLM server
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self._post("/init_weight_transfer_engine", {"init_info": init_info})
@@ -162,6 +189,20 @@ class WeightSyncClient:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._post("/finish_weight_update", {"weight_version": weight_version})
+
+    # vLLM's pause/resume for asynchronous RL: with mode "keep", running requests stay in the engine, frozen, and
+    # continue on whatever weights are loaded when generation resumes
+    def pause_keep(self) -> None:
+        self._post("/pause?mode=keep")
+
+    def resume(self) -> None:
+        self._post("/resume")
+
+    def reset_prefix_cache(self) -> None:
+        """Drop cached blocks computed by the old weights; running requests recompute theirs (vLLM preempts them)."""
+        route = "/reset_prefix_cache?reset_running_requests=true"
+        if not (self._post(route) or {}).get("success"):
+            raise ServerError(f"{route}: the server could not reset its prefix cache")
 
 
 def trainer_engine(client: WeightSyncClient):

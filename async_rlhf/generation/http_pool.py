@@ -8,17 +8,20 @@ step) and reads the recorded failures and acknowledgements (`check`). Finished r
 from the loop thread, one call at a time. A weight update's blocking HTTP round trip runs on a daemon thread of
 its own while the loop awaits it, so a hung server can delay nothing else and never delays the interpreter's exit.
 
-Requests: each prompt of a request is one `POST /v1/completions` (n samples, seed `settings.seed + p*n` like the
-local vLLM backend, so the same request gives the same samples); all prompts of a request, and all requests to a
-server, are in flight at once. A request's rollouts are delivered as soon as all its prompts are back.
+Requests: each prompt of a request is one `POST /inference/v1/generate` (token ids in, tokens, behaviour log-probs and
+per-token weight versions out; n samples, seed `settings.seed + p*n` like the local vLLM backend, so the same request
+gives the same samples); all prompts of a request, and all requests to a server, are in flight at once. A request's
+rollouts are delivered as soon as all its prompts are back, tagged with the oldest version of any of its tokens.
 
 Weights and versions, per server: `send_weights(v)` closes the server's gate at once (in the loop, in the order of
-the calls), so any request sent later waits; the update then waits for the server's in-flight requests to finish,
-drives vLLM's weight routes through vLLM's trainer-side engine (`async_rlhf_shm`: the learner's shm file, so the
-server must share this host), records the acknowledgement and opens the gate. A request is tagged with the version
-the server had loaded when it passed the gate, and no update runs while it is in flight, so a request sent after
-`send_weights(v)` is sampled with weights >= v and every rollout carries the version that sampled it. (vLLM's
-`/pause?mode=keep` would let an update run under in-flight requests; that needs per-token versions, later.)
+the calls), so any request sent later waits and is sampled with weights >= v. The update drives vLLM's weight routes
+through vLLM's trainer-side engine (`async_rlhf_shm`: the learner's shm file, so the server must share this host),
+records the acknowledgement and opens the gate. With `weight_load="drain"` it first waits for the server's in-flight
+requests to finish, so every sample has one version. With "in_flight" it loads at once: `/pause?mode=keep` freezes
+the running requests in the engine, the weights load, `/reset_prefix_cache?reset_running_requests=true` makes the
+running requests recompute their context with the new weights (as the local streaming generator does), and
+`/resume` lets them continue; their later tokens carry the new version (vLLM's spans), so the staleness bound
+applies to each rollout's oldest token.
 
 Start: every server must answer `/health` within `start_timeout` (a refused token fails at once, naming the
 server), serve a context of at least `min_model_len`, and load the trainer's starting policy when resuming (version
@@ -65,12 +68,13 @@ class _Server:
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # set: no request in flight
     update_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # FIFO: updates in the order sent
     engine: object = None  # vLLM trainer-side weight-transfer engine
+    client: object = None  # its WeightSyncClient (pause/resume/reset for in-flight loads)
 
 
 class HTTPGeneratorPool:
     def __init__(self, addresses: list[str], on_rollouts: Callable[[RolloutBatch], None], transport, model_dir: str,
                  initial_version: int, start_timeout: float, weight_sync_timeout: float, request_timeout: float,
-                 token: str = "", min_model_len: int = 0):
+                 token: str = "", min_model_len: int = 0, weight_load: str = "drain"):
         self.addresses = list(addresses)
         self.urls = [http_client.base_url(a) for a in self.addresses]
         self.on_rollouts = on_rollouts
@@ -82,6 +86,7 @@ class HTTPGeneratorPool:
         self.request_timeout = request_timeout
         self.token = token
         self.min_model_len = min_model_len
+        self.weight_load = weight_load
         self.num_generators = len(self.addresses)
         self.acks = AckTracker(list(range(self.num_generators)), initial_version, weight_sync_timeout,
                                describe=self.describe)
@@ -233,8 +238,8 @@ class HTTPGeneratorPool:
         if max_len < self.min_model_len:
             raise GeneratorFailed(f"generator start: {self.describe(s.gid)} serves {s.model} with max_model_len "
                                   f"{max_len} < max_length {self.min_model_len}")
-        client = WeightSyncClient(s.url, self.token, self.weight_sync_timeout)
-        s.engine = await http_client.in_daemon_thread(http_client.trainer_engine, client)
+        s.client = WeightSyncClient(s.url, self.token, self.weight_sync_timeout)
+        s.engine = await http_client.in_daemon_thread(http_client.trainer_engine, s.client)
         logger.info("%s: serving %s (max_model_len %s, weight version %r)", self.describe(s.gid), s.model, max_len,
                     loaded)
         return self.initial_version > 0 or loaded != "default"
@@ -248,19 +253,21 @@ class HTTPGeneratorPool:
         settings = request.settings
         try:
             async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(http_client.complete(
+                tasks = [group.create_task(http_client.generate(
                     self._session, s.url, s.model, prompt, request.settings_for(p),
                     None if settings.seed is None else settings.seed + p * settings.n, self.request_timeout,
-                    self.token)) for p, prompt in enumerate(request.prompt_token_ids)]
+                    self.token, self.initial_version)) for p, prompt in enumerate(request.prompt_token_ids)]
         except ExceptionGroup as group_error:
             raise group_error.exceptions[0] from None
         finally:
             s.in_flight -= 1
             if not s.in_flight:
                 s.idle.set()
+        completions = [t.result() for t in tasks]
+        oldest = min(c.oldest_version(version) for group in completions for c in group)
         self.on_rollouts(RolloutBatch(
-            batch_id=request.batch_id, generator_id=s.gid, policy_version=version, prompt_ids=request.prompt_ids,
-            prompt_token_ids=request.prompt_token_ids, completions=[t.result() for t in tasks],
+            batch_id=request.batch_id, generator_id=s.gid, policy_version=oldest, prompt_ids=request.prompt_ids,
+            prompt_token_ids=request.prompt_token_ids, completions=completions,
             seconds=time.monotonic() - t0, chunk=request.chunk, num_chunks=request.num_chunks))
 
     async def _update(self, s: _Server, update: WeightUpdate) -> None:
@@ -268,10 +275,12 @@ class HTTPGeneratorPool:
         s.gate.clear()
         try:
             async with s.update_lock:
-                await s.idle.wait()
+                if self.weight_load == "drain":
+                    await s.idle.wait()
                 t0 = time.monotonic()
                 try:
-                    await http_client.in_daemon_thread(s.engine.send_weights, update)
+                    load = _load_under_requests if s.in_flight else _load
+                    await http_client.in_daemon_thread(load, s, update)
                 except ServerError as exc:
                     raise ServerError(f"loading weights v{update.version}: {exc}") from None
                 s.version = update.version
@@ -285,3 +294,21 @@ class HTTPGeneratorPool:
         logger.error("%s failed: %s", self.describe(gid) if gid >= 0 else "generator servers", reason)
         with self._lock:
             self._failed.setdefault(gid, reason)
+
+
+def _load(s: _Server, update: WeightUpdate) -> None:
+    s.engine.send_weights(update)
+
+
+def _load_under_requests(s: _Server, update: WeightUpdate) -> None:
+    """Load while requests run (blocking; off the loop): pause keeping them, load, recompute their context, resume."""
+    s.client.pause_keep()
+    try:
+        s.engine.send_weights(update)
+        s.client.reset_prefix_cache()
+    finally:
+        try:
+            s.client.resume()
+        except ServerError as exc:  # the load's own error, if any, is the one to report
+            logger.error("generator server %s: /resume failed after a weight load: %s", s.address, exc)
+

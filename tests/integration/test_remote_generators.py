@@ -1,6 +1,7 @@
 """Remote generators on loopback: vLLM's OpenAI server started by `python -m async_rlhf.generation.serve` as its own
 process (as an operator would), a trainer that drives it over HTTP by address (requests in, version-tagged rollouts
-out, weights through vLLM's weight routes as shm files), a trainer with the wrong token refused naming the server,
+out, weights through vLLM's weight routes as shm files), weights loaded under a running request (`weight_load="in_flight"`: vLLM's
+pause with keep, per-token versions) or after it ("drain"), a trainer with the wrong token refused naming the server,
 and a server killed mid-run failing the run naming it.
 
 One server serves the whole module (vLLM on CPU takes 20-40 s to start); each test is one trainer session. The
@@ -124,6 +125,70 @@ def test_served_logprobs_equal_the_learner_logprobs(server, tmp_path, monkeypatc
     for m in logged:
         for key in ("off_policy/chosen_log_ratio_abs_max", "off_policy/rejected_log_ratio_abs_max"):
             assert m[key] < 1e-3, (m["step"], key, m[key])
+
+
+def _wait_until_running(address: str, token: str, count: int, timeout: float = 60) -> None:
+    """Until vLLM's own gauge says `count` requests are in its running batch (its Prometheus `/metrics`)."""
+    import requests
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = requests.get(f"http://{address}/metrics", headers={"Authorization": f"Bearer {token}"}, timeout=30).text
+        running = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("vllm:num_requests_running{")]
+        if running and running[0] >= count:
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"{count} requests not running on the server within {timeout:.0f} s")
+
+
+@pytest.mark.parametrize("weight_load", ["in_flight", "drain"])
+def test_weights_load_under_a_running_request_only_in_flight(server, tmp_path, weight_load):
+    """Two long greedy samples are running (vLLM's own gauge says so) when weights v1 are sent. "in_flight": the
+    server loads at once (pause with keep, load, resume): each sample's first tokens carry version 0 and its later
+    ones version 1, and the rollout's policy_version is its oldest token's, 0. "drain": the load waits for the
+    request (acknowledged after the rollout), every token is version 0."""
+    from async_rlhf.generation.http_pool import HTTPGeneratorPool
+    from async_rlhf.types import GenerationRequest, SamplingSettings
+    from async_rlhf.weight_sync import ShmWeightTransport
+    from async_rlhf.weight_sync.safetensors_io import state_from_model_dir
+
+    address, token, model_dir, _ = server
+    events, rollouts = [], []
+
+    def on_rollouts(batch):
+        events.append("rollout")
+        rollouts.append(batch)
+
+    transport = ShmWeightTransport(str(tmp_path))
+    pool = HTTPGeneratorPool([address], on_rollouts, transport, model_dir, initial_version=0, start_timeout=300,
+                             weight_sync_timeout=120, request_timeout=120, token=token, weight_load=weight_load)
+    try:
+        pool.start()  # an earlier test left other weights loaded: the pool pushes version 0 first
+        settings = SamplingSettings(max_new_tokens=200, temperature=0.0, top_p=1.0, top_k=0, n=1, seed=None)
+        pool.send_request(0, GenerationRequest(0, [0, 1], [[2, 40, 41], [3, 50]], settings))
+        _wait_until_running(address, token, 2)
+        state = {k: v * 1.01 for k, v in state_from_model_dir(model_dir).items()}
+        pool.send_weights(transport.publish(state, 1))
+        deadline = time.monotonic() + 120
+        while not (rollouts and "ack" in events) and time.monotonic() < deadline:
+            pool.check()
+            if not pool.acks.waiting() and "ack" not in events:
+                events.append("ack")
+            time.sleep(0.005)
+        assert rollouts and not pool.acks.waiting(), "no rollout or acknowledgement within 120 s"
+    finally:
+        pool.close()
+        transport.close()
+    (batch,) = rollouts
+    starts = [c.version_starts for group in batch.completions for c in group]
+    lengths = [len(c.token_ids) for group in batch.completions for c in group]
+    assert batch.policy_version == 0, (batch.policy_version, starts, lengths, events)
+    if weight_load == "in_flight":  # loaded while both were running: tokens of both versions in each
+        assert all(s[0] == [0, 0] and s[-1][0] == 1 and s[-1][1] > 0 for s in starts), (starts, lengths, events)
+    else:
+        assert events == ["rollout", "ack"], (events, starts, lengths)
+        assert all(s == [[0, 0]] for s in starts), (starts, lengths, events)
 
 
 def test_wrong_token_is_refused_naming_the_server(server, tmp_path, monkeypatch):

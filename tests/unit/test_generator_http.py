@@ -93,7 +93,8 @@ def test_every_vllm_route_needs_the_token(monkeypatch, tiny_model_dir):
     routes = {(r.path, m) for r in app.routes for m in (getattr(r, "methods", None) or {"GET"})}
     paths = {p for p, _ in routes}
     for dev in ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update",
-                "/pause", "/resume", "/get_world_size", "/collective_rpc", "/health", "/v1/completions"):
+                "/pause", "/resume", "/get_world_size", "/collective_rpc", "/health", "/v1/completions",
+                "/inference/v1/generate", "/reset_prefix_cache"):
         assert dev in paths, dev
     client = TestClient(app)
     for path, method in sorted(routes):
@@ -171,8 +172,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
         elif mode == "error":
             self.reply(500, b'{"error": "engine dead"}')
         elif mode == "ok":  # a well-formed answer, for the on_rollouts failure below
-            choices = [{"index": i, "token_ids": [4], "finish_reason": "length", "logprobs": {"token_logprobs": [-1.0]}}
-                       for i in range(2)]
+            choices = [{"index": i, "token_ids": [4], "finish_reason": "length",
+                        "logprobs": {"content": [{"token_id": 4, "logprob": -1.0}]},
+                        "weight_versions": [{"version": "default", "start": 0, "end": 1}]} for i in range(2)]
             self.reply(200, json.dumps({"choices": choices}).encode())
 
 
@@ -190,10 +192,10 @@ def test_client_errors_name_the_route(mode, message):
             import aiohttp
 
             async with aiohttp.ClientSession() as session:
-                return await http_client.complete(session, url, "m", [2, 40], SETTINGS, 3, 1.0, TOKEN)
+                return await http_client.generate(session, url, "m", [2, 40], SETTINGS, 3, 1.0, TOKEN, 0)
 
         t0 = time.monotonic()
-        with pytest.raises(ServerError, match=f"/v1/completions: .*({message})"):
+        with pytest.raises(ServerError, match=f"/inference/v1/generate: .*({message})"):
             asyncio.run(sample())
         with pytest.raises(ServerError, match=f"/start_weight_update: .*({message})"):
             WeightSyncClient(url, TOKEN, timeout=1.0).start_weight_update()

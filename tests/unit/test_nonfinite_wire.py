@@ -25,24 +25,37 @@ def batch(logprob: float, generator_id: int = 2) -> RolloutBatch:
                         seconds=0.5)
 
 
-def choice(logprobs: list, index: int = 0) -> dict:
-    return {"index": index, "token_ids": [4, 1][:len(logprobs)], "finish_reason": "stop",
-            "logprobs": {"token_logprobs": logprobs}}
+def choice(logprobs: list, index: int = 0, spans=None) -> dict:
+    tokens = [4, 1][:len(logprobs)]
+    return {"index": index, "token_ids": tokens, "finish_reason": "stop",
+            "logprobs": {"content": [{"token_id": t, "logprob": lp} for t, lp in zip(tokens, logprobs)]},
+            "weight_versions": spans or [{"version": "default", "start": 0, "end": len(tokens)}]}
 
 
 @pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
 def test_server_answers_with_nan_or_infinity_are_refused(constant):
-    text = '{"choices": [{"index": 0, "token_ids": [4], "logprobs": {"token_logprobs": [%s]}}]}' % constant
+    text = '{"choices": [{"index": 0, "token_ids": [4], "logprobs": {"content": [{"logprob": %s}]}}]}' % constant
     with pytest.raises(http_client.ServerError, match=f"not valid JSON.*non-finite number {constant}"):
-        http_client.parse_json(text, "/v1/completions")
+        http_client.parse_json(text, "/inference/v1/generate")
 
 
 @pytest.mark.parametrize("value", [None, -9999.0, "-1.0", True, math.nan])
 def test_completions_with_a_non_finite_logprob_are_refused(value):
     """vLLM writes NaN as null and clamps -inf to -9999.0; a string or bool is not a log-prob either."""
-    assert http_client.parse_completions({"choices": [choice([-0.5, -1.0])]}, 1)[0].logprobs == [-0.5, -1.0]
+    assert http_client.parse_generated({"choices": [choice([-0.5, -1.0])]}, 1, 0)[0].logprobs == [-0.5, -1.0]
     with pytest.raises(http_client.ServerError, match=r"non-finite behaviour log-prob .* sample 0, token 1"):
-        http_client.parse_completions({"choices": [choice([-0.5, value])]}, 1)
+        http_client.parse_generated({"choices": [choice([-0.5, value])]}, 1, 0)
+
+
+def test_generated_tokens_carry_their_weight_versions():
+    """vLLM's spans become `version_starts` ("default" is the server's start-up policy); spans that do not cover a
+    sample from its first token, or a label that is not a policy version, are refused."""
+    spans = [{"version": "default", "start": 0, "end": 1}, {"version": "3", "start": 1, "end": 2}]
+    (c,) = http_client.parse_generated({"choices": [choice([-0.5, -1.0], spans=spans)]}, 1, default_version=2)
+    assert c.version_starts == [[2, 0], [3, 1]] and c.oldest_version(9) == 2
+    for bad in ([{"version": "3", "start": 1, "end": 2}], [{"version": "latest", "start": 0, "end": 2}]):
+        with pytest.raises(http_client.ServerError, match="weight version|do not start at token 0"):
+            http_client.parse_generated({"choices": [choice([-0.5, -1.0], spans=bad)]}, 1, 0)
 
 
 @pytest.mark.parametrize("change, message", [
