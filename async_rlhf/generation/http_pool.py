@@ -297,7 +297,9 @@ class HTTPGeneratorPool:
 
 
 def _load(s: _Server, update: WeightUpdate) -> None:
+    """Load with nothing running (blocking; off the loop); cached prefix blocks of the old weights are dropped."""
     s.engine.send_weights(update)
+    s.client.reset_prefix_cache()
 
 
 def _load_under_requests(s: _Server, update: WeightUpdate) -> None:

@@ -127,12 +127,13 @@ def test_served_logprobs_equal_the_learner_logprobs(server, tmp_path, monkeypatc
             assert m[key] < 1e-3, (m["step"], key, m[key])
 
 
-def _wait_until_running(address: str, token: str, count: int, timeout: float = 60) -> None:
+def _wait_until_running(pool, address: str, token: str, count: int, timeout: float = 60) -> None:
     """Until vLLM's own gauge says `count` requests are in its running batch (its Prometheus `/metrics`)."""
     import requests
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        pool.check()
         text = requests.get(f"http://{address}/metrics", headers={"Authorization": f"Bearer {token}"}, timeout=30).text
         running = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith("vllm:num_requests_running{")]
@@ -167,7 +168,7 @@ def test_weights_load_under_a_running_request_only_in_flight(server, tmp_path, w
         pool.start()  # an earlier test left other weights loaded: the pool pushes version 0 first
         settings = SamplingSettings(max_new_tokens=200, temperature=0.0, top_p=1.0, top_k=0, n=1, seed=None)
         pool.send_request(0, GenerationRequest(0, [0, 1], [[2, 40, 41], [3, 50]], settings))
-        _wait_until_running(address, token, 2)
+        _wait_until_running(pool, address, token, 2)
         state = {k: v * 1.01 for k, v in state_from_model_dir(model_dir).items()}
         pool.send_weights(transport.publish(state, 1))
         deadline = time.monotonic() + 120
