@@ -4,7 +4,8 @@ TRL's tests load `trl-internal-testing/tiny-Qwen2ForCausalLM-2.5` (policy), `tin
 sequence-classification reward model) and the `trl-internal-testing/zen` prompts. Here: tiny Llamas with the
 character tokenizer (`async_rlhf/data/tiny_model.py`), built once per session, and a few zen lines as prompts, in
 TRL's two prompt-only formats. The policy's head size is 16, which vLLM's CPU attention does not support, so our
-trainer's default `generator_backend="auto"` takes the transformers generator (seconds to start) on CPU.
+trainer's default `generator_backend="auto"` takes the transformers generator (seconds to start) on CPU; the vLLM case
+uses `vllm_policy` (head size 32), as TRL's uses a bigger model there.
 
 `impl` is parametrized over TRL's `OnlineDPOConfig`/`OnlineDPOTrainer` (the control) and ours, imported under TRL's
 names, as a user switching one import would. TRL is imported only when its case runs: importing
@@ -36,7 +37,7 @@ def _import(name: str):
 
 @pytest.fixture(params=["trl", "async_rlhf"])
 def impl(request):
-    return _import(request.param)
+    return _import(request.param)  # a case may pass `impl` itself (indirect) to mark one of the two
 
 
 @pytest.fixture(scope="session")
@@ -55,7 +56,8 @@ def compat_dirs(tmp_path_factory):
         num_key_value_heads=2, max_position_embeddings=640, num_labels=1, pad_token_id=tok.pad_token_id))
     reward.save_pretrained(root / "reward")
     tok.save_pretrained(root / "reward")
-    return {"policy": policy, "reward": str(root / "reward")}
+    vllm_policy = save_tiny_model(str(root / "vllm_policy"), hidden_size=64, num_heads=2, max_position_embeddings=640)
+    return {"policy": policy, "vllm_policy": vllm_policy, "reward": str(root / "reward")}
 
 
 @pytest.fixture

@@ -66,6 +66,35 @@ def test_ref_model_is_model(impl, zen_prompts, models, tmp_path):
                               processing_class=models.tokenizer, reward_processing_classes=models.reward_tokenizer)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", [
+    pytest.param("trl", marks=pytest.mark.skip(reason="TRL 1.16's colocated vLLM fails with the pinned vLLM 0.32 (TRL "
+                                                      "supports <= 0.31): its weight sync raises AttributeError "
+                                                      "'Parameter' object has no attribute 'weight_loader'")),
+    "async_rlhf"], indirect=True)
+def test_training_with_vllm_colocate(impl, zen_prompts, models, compat_dirs, tmp_path):
+    """TRL's case: use_vllm=True, vllm_mode="colocate", the sampling values it sets, a training run. Ours samples in
+    a generator process of its own (vLLM on CPU here), so `llm` is None instead of TRL's in-process engine."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(compat_dirs["vllm_policy"], dtype="float32")
+    tokenizer = AutoTokenizer.from_pretrained(compat_dirs["vllm_policy"])
+    tokenizer.pad_token = tokenizer.eos_token
+    args = impl.OnlineDPOConfig(**CPU, output_dir=str(tmp_path), use_vllm=True, vllm_mode="colocate",
+                                vllm_gpu_memory_utilization=0.2, per_device_train_batch_size=1, max_steps=2,
+                                report_to="none", temperature=0.9, top_p=0.95, top_k=50, max_new_tokens=32)
+    trainer = impl.OnlineDPOTrainer(model=model, reward_funcs=models.reward_model, args=args,
+                                    train_dataset=zen_prompts("standard_prompt_only"), processing_class=tokenizer,
+                                    reward_processing_classes=models.reward_tokenizer)
+    assert trainer.use_vllm
+    assert trainer.vllm_mode == "colocate"
+    assert (trainer.temperature, trainer.top_p, trainer.top_k) == (0.9, 0.95, 50)
+    config = trainer.generation_config
+    assert (config.temperature, config.top_p, config.top_k) == (0.9, 0.95, 50)
+    assert (getattr(config, "max_tokens", None) or config.max_new_tokens) == 32  # vLLM's name (TRL), transformers'
+    _train_and_check(trainer)
+
+
 def test_vllm_config_validation(impl, tmp_path):
     config = impl.OnlineDPOConfig(**CPU, output_dir=str(tmp_path), use_vllm=True, vllm_mode="server")
     assert config.vllm_mode == "server"
