@@ -209,8 +209,10 @@ class AsyncRLConfig(TrainingArguments):
         default=None, metadata={"help": "TRL: its keys temperature, top_p, top_k, min_p, repetition_penalty, "
                                 "max_new_tokens (or vLLM's max_tokens) override those fields; do_sample=False sets "
                                 "temperature 0 (greedy); other keys are not applied (warned)."})
-    min_p: float | None = field(default=None, metadata={"help": "TRL: no-op (not applied by our samplers yet)."})
-    repetition_penalty: float = field(default=1.0, metadata={"help": "TRL: no-op unless 1.0 (not applied yet)."})
+    min_p: float | None = field(default=None, metadata={"help": "Drop tokens less likely than min_p x the most likely "
+                                                                 "one (after temperature); None or 0: off (TRL)."})
+    repetition_penalty: float = field(default=1.0, metadata={"help": "Logits of tokens already in the prompt or "
+                                      "completion become l/p if l > 0 else l*p; 1.0: off (TRL)."})
     cache_implementation: str | None = field(default=None, metadata={"help": "TRL: no-op."})
     ds3_gather_for_generation: bool = field(default=True, metadata={"help": "TRL: no-op; ZeRO-3 weights are always "
                                                                             "gathered for the generators."})

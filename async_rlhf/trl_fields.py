@@ -9,12 +9,13 @@ one way that decides most of this: it is always asynchronous, in generator proce
   `host:port`), which must be `python -m async_rlhf.generation.serve` servers, not `trl vllm-serve` ones;
   `generation_kwargs` keys that name a sampling field here (`temperature`, `top_p`, `top_k`, `max_new_tokens` or
   vLLM's `max_tokens`, `min_p`, `repetition_penalty`) override that field, as TRL documents; `do_sample=False`
-  sets `temperature = 0` (greedy, as transformers' `do_sample=False`).
+  sets `temperature = 0` (greedy, as transformers' `do_sample=False`). `min_p` and `repetition_penalty` are
+  applied by both generator backends (and vLLM servers), with TRL's meaning.
 * meaning kept, nothing to do: `vllm_mode='colocate'` (TRL's default: "vLLM next to training", here vLLM in the
   generator processes), `vllm_gpu_memory_utilization`, `vllm_tensor_parallel_size` (our own fields).
 * no-op, named in ONE warning per config when set to anything but TRL's default (`NO_OPS`): sampling options our
-  samplers do not apply yet (`min_p`, `repetition_penalty`, other `generation_kwargs` keys,
-  `cache_implementation`, `vllm_structured_outputs_regex`), engine options that have no object to act on here
+  samplers do not apply (other `generation_kwargs` keys, `cache_implementation`,
+  `vllm_structured_outputs_regex`), engine options that have no object to act on here
   (`vllm_enable_sleep_mode`, `vllm_group_port`, `vllm_server_timeout`, `vllm_model_impl` other than 'vllm',
   `ds3_gather_for_generation=False`: ZeRO-3 weights are always gathered for the generators) and
   `trust_remote_code=True` (never set: no model code is fetched or run).
@@ -37,8 +38,6 @@ GENERATION_KWARG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_
                            "repetition_penalty": "repetition_penalty"}
 # field -> (TRL's default, why it cannot apply here)
 NO_OPS = {
-    "min_p": (None, "our samplers do not apply min_p yet"),
-    "repetition_penalty": (1.0, "our samplers do not apply a repetition penalty yet"),
     "cache_implementation": (None, "the transformers generator uses its model's default cache"),
     "vllm_structured_outputs_regex": (None, "structured outputs are not passed to the generators"),
     "vllm_enable_sleep_mode": (False, "generators own their devices; there is nothing to free between steps"),

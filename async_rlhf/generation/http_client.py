@@ -76,7 +76,7 @@ def check_status(route: str, status: int, text: str) -> None:
 def completion_body(model: str, prompt: list[int], settings: SamplingSettings, seed: int | None) -> dict:
     return {"model": model, "prompt": prompt, "n": settings.n, "max_tokens": settings.max_new_tokens,
             "temperature": settings.temperature, "top_p": settings.top_p, "top_k": settings.top_k, "seed": seed,
-            "logprobs": 0, "return_token_ids": True, "skip_special_tokens": False}
+            "min_p": settings.min_p, "repetition_penalty": settings.repetition_penalty, "logprobs": 0, "return_token_ids": True, "skip_special_tokens": False}
 
 
 def parse_completions(answer: Any, n: int, route: str = "/v1/completions") -> list[Completion]:

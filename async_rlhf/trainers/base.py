@@ -178,7 +178,8 @@ class AsyncTrainerBase(Trainer):
     def sampling_settings(self) -> SamplingSettings:
         a = self.args
         return SamplingSettings(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
-                                top_k=a.top_k if a.top_k > 0 else -1, n=a.num_generations, seed=a.seed)
+                                top_k=a.top_k if a.top_k > 0 else -1, n=a.num_generations, seed=a.seed,
+                                min_p=a.min_p or 0.0, repetition_penalty=a.repetition_penalty)
 
     def packing(self) -> dict:
         """How `logprobs.sequence_terms` packs this trainer's rows."""

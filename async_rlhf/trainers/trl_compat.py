@@ -61,8 +61,8 @@ def generation_kwargs(args, tokenizer, eos_token_ids: list[int]) -> dict:
     greedy = args.temperature == 0
     kwargs = {"max_new_tokens": args.max_new_tokens, "do_sample": not greedy, "pad_token_id": tokenizer.pad_token_id,
               "bos_token_id": tokenizer.bos_token_id, "eos_token_id": eos_token_ids, "top_k": args.top_k,
-              "top_p": args.top_p, "temperature": None if greedy else args.temperature}
-    # min_p and repetition_penalty are not applied by our samplers yet (trl_fields.py): not claimed here either
+              "top_p": args.top_p, "temperature": None if greedy else args.temperature,
+              "repetition_penalty": args.repetition_penalty, "min_p": args.min_p}
     return {k: v for k, v in kwargs.items() if v is not None}
 
 

@@ -118,10 +118,8 @@ def test_vllm_config_validation(impl, tmp_path):
 
 
 def test_generation_config_setup(impl, zen_prompts, models, tmp_path):
-    """TRL's case, less two values: with generation_kwargs={"do_sample": False} TRL keeps temperature 0.8 in a config
-    that no longer samples, ours sets temperature 0 (greedy; trl_fields.py), and TRL applies
-    repetition_penalty=1.2, which our samplers do not apply yet (accepted with a warning, so not claimed in
-    generation_config)."""
+    """TRL's case, less one value: with generation_kwargs={"do_sample": False} TRL keeps temperature 0.8 in a config
+    that no longer samples; ours sets temperature 0 (greedy; trl_fields.py)."""
     args = impl.OnlineDPOConfig(**CPU, output_dir=str(tmp_path), use_vllm=False, temperature=0.8, top_p=0.9, top_k=40,
                                 repetition_penalty=1.2, max_new_tokens=64, generation_kwargs={"do_sample": False},
                                 report_to="none")
@@ -135,6 +133,7 @@ def test_generation_config_setup(impl, zen_prompts, models, tmp_path):
     assert trainer.generation_config is not None
     assert trainer.generation_config.top_p == 0.9
     assert trainer.generation_config.top_k == 40
+    assert trainer.generation_config.repetition_penalty == 1.2
     assert trainer.generation_config.max_new_tokens == 64
     assert not trainer.generation_config.do_sample  # from generation_kwargs
     assert trainer.top_p == 0.9 and trainer.top_k == 40 and trainer.repetition_penalty == 1.2
@@ -236,8 +235,9 @@ def test_every_trl_config_field_is_accepted(tmp_path, caplog):
                              trust_remote_code=True, generation_kwargs={"num_beams": 2, "top_k": 7})
     lines = [r.getMessage() for r in caplog.records if r.name == "async_rlhf.trl_fields"]
     assert len(lines) == 1, lines
-    for name in ("min_p", "repetition_penalty", "cache_implementation", "vllm_structured_outputs_regex",
+    for name in ("cache_implementation", "vllm_structured_outputs_regex",
                  "vllm_enable_sleep_mode", "vllm_group_port", "vllm_server_timeout", "vllm_model_impl",
                  "ds3_gather_for_generation", "trust_remote_code", "num_beams"):
         assert name in lines[0]
-    assert "top_k" not in lines[0]  # applied: it names one of our sampling fields
+    for applied in ("top_k", "min_p", "repetition_penalty"):  # sampling fields of ours
+        assert applied not in lines[0]
