@@ -187,7 +187,8 @@ class AsyncRLConfig(TrainingArguments):
                   "the prompt's completions (RLHFless's shared prefix; equal to the unshared forward within float "
                   "tolerance, see benchmarks/shared_prefix.py for the time saved)."},
     )
-    model_init_kwargs: dict | None = field(default=None, metadata={"help": "kwargs for from_pretrained."})
+    model_init_kwargs: dict | str | None = field(default=None, metadata={"help": "kwargs for from_pretrained (a dict, "
+                                                                            "or JSON text)."})
     # ---- TRL 1.16 OnlineDPOConfig's generation fields: accepted under TRL's names; how each maps onto the fields
     # above, or why it cannot apply here (one warning lists those set), is in trl_fields.py ----------------------
     use_vllm: bool | None = field(default=None, metadata={"help": "TRL: True sets generator_backend='vllm', False "
@@ -205,7 +206,7 @@ class AsyncRLConfig(TrainingArguments):
     vllm_structured_outputs_regex: str | None = field(default=None, metadata={"help": "TRL: no-op."})
     vllm_enable_sleep_mode: bool = field(default=False, metadata={"help": "TRL: no-op (generators own their "
                                                                           "devices; nothing to free)."})
-    generation_kwargs: dict | None = field(
+    generation_kwargs: dict | str | None = field(
         default=None, metadata={"help": "TRL: its keys temperature, top_p, top_k, min_p, repetition_penalty, "
                                 "max_new_tokens (or vLLM's max_tokens) override those fields; do_sample=False sets "
                                 "temperature 0 (greedy); other keys are not applied (warned)."})

@@ -6,7 +6,8 @@ Rules, from each field's declared annotation (`int`, `float | None`, `list[str]`
 * `int` takes an int and nothing else: `True` is not an int here, `1.5` and `"2"` are refused (no silent rounding);
 * `float` takes an int or a float (stored as float) that is finite: `inf` and `nan` are refused everywhere (a NaN
   slips through every `>`/`<` range check, and an infinite timeout overflows the waits it reaches);
-* `bool` takes only `True`/`False`; `str` only a string; `dict` a dict with string keys (or its JSON text);
+* `bool` takes only `True`/`False`; `str` only a string; `dict` (and `dict | str`, so that the command line can pass
+  JSON) a dict with string keys or its JSON text;
 * `list[X]` takes a list of X; a single X is also taken where `__post_init__` accepts one (a comma-separated string
   for `generator_devices` and `generator_servers`, one number for online DPO's `beta`).
 Ranges that the type alone cannot say are in `RANGES`. `check_dir` checks a directory we write into exists, is
@@ -73,6 +74,8 @@ def _convert(value, kind, where: str):
         if value is None:
             return None
         options = tuple(o for o in options if o is not type(None))
+    if set(options) == {dict, str}:  # `dict | str`: a dict, or its JSON text from the command line
+        options = (dict,)
     (kind,) = options
     if kind is bool:
         if not isinstance(value, bool):

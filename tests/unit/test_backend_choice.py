@@ -14,7 +14,7 @@ import pytest
 from datasets import Dataset
 from transformers import AutoConfig
 
-from async_rlhf import AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer
+from async_rlhf import AsyncOnlineDPOTrainer
 from async_rlhf.config import ConfigError
 from async_rlhf.data.tiny_model import save_tiny_model
 from async_rlhf.generation import backend_choice
