@@ -148,6 +148,7 @@ class AsyncTrainerBase(Trainer):
         self.pipeline: RolloutPipeline | None = None
         self.add_callback(_PipelineHooks(self))
         self._metrics: dict[str, list[float]] = collections.defaultdict(list)
+        self.stats = self._metrics  # TRL's name: metric -> its values since the last log
         self._micro = 0
         self._step_batch: RolloutBatch | None = None
         self._loop_seconds = 0.0

@@ -152,6 +152,7 @@ def test_generation_parameters_are_exposed(impl, zen_prompts, models, tmp_path):
     config = trainer.generation_config
     assert (config.temperature, config.top_p, config.top_k, config.max_new_tokens) == (0.9, 0.95, 50, 32)
     assert trainer.beta == 0.1
+    assert isinstance(trainer.stats, dict)  # metric -> values since the last log
     assert trainer.reward_func_names and len(trainer.reward_processing_classes) == 1
     assert models.tokenizer.eos_token_id in trainer.eos_token_ids
 
