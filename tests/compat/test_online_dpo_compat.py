@@ -242,3 +242,21 @@ def test_every_trl_config_field_is_accepted(tmp_path, caplog):
         assert name in lines[0]
     for applied in ("top_k", "min_p", "repetition_penalty"):  # sampling fields of ours
         assert applied not in lines[0]
+
+
+def test_public_attributes_after_construction_include_trls(models, zen_prompts, tmp_path):
+    """Every public attribute TRL's constructor sets (on top of transformers' Trainer) is set by ours too."""
+    from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+
+    from async_rlhf import AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer
+
+    def build(config_cls, trainer_cls, out):
+        return trainer_cls(model=models.model, reward_funcs=models.reward_model, train_dataset=zen_prompts(
+            "standard_prompt_only"), args=config_cls(**CPU, output_dir=str(tmp_path / out), report_to="none"),
+            processing_class=models.tokenizer, reward_processing_classes=models.reward_tokenizer)
+
+    theirs = set(vars(build(OnlineDPOConfig, OnlineDPOTrainer, "trl")))
+    ours = set(vars(build(AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer, "ours")))
+    assert {"reward_funcs", "reward_weights", "generation_config", "eos_token_ids", "use_vllm", "stats"} <= theirs
+    missing = sorted(a for a in theirs - ours if not a.startswith("_") or a in ("_tokenizer", "_beta"))
+    assert not missing, missing
