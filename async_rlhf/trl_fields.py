@@ -1,4 +1,4 @@
-"""TRL 1.16 `OnlineDPOConfig` fields that have no field of the same meaning here: what each becomes.
+"""TRL 1.16 `OnlineDPOConfig` fields on our configs: what each becomes here (mapped, applied, or a no-op).
 
 A TRL script switched to our classes by one import keeps every field it sets. Our generation differs from TRL's in
 one way that decides most of this: it is always asynchronous, in generator processes of their own (on
