@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from async_rlhf.config_checks import ConfigError, check_dir, check_types  # noqa: F401 (ConfigError: re-exported)
+from async_rlhf.trl_fields import apply_trl_fields
 
-GENERATOR_BACKENDS = ("vllm", "transformers")
+GENERATOR_BACKENDS = ("auto", "vllm", "transformers")
 GENERATION_MODES = ("auto", "stream", "batch")
 WEIGHT_LOADS = ("drain", "in_flight")
 ASSIGNMENTS = ("tokens", "count")
@@ -76,14 +77,19 @@ class AsyncRLConfig(TrainingArguments):
     )
     # ---- generators ------------------------------------------------------------------------------------------
     generator_backend: str = field(
-        default="vllm", metadata={"help": "Sampling engine in each generator process: 'vllm' or 'transformers'."}
+        default="auto",
+        metadata={"help": "Sampling engine in each generator process: 'vllm', 'transformers' or 'auto': vLLM where it "
+                  "can serve the policy on the generator devices (architecture, dtype and head size, read from the "
+                  "policy's config against the installed vLLM), else transformers with one warning naming why. The "
+                  "trainer decides when it is built, before any generator starts, and writes the choice here. "
+                  "TRL's use_vllm=True/False sets 'vllm'/'transformers'."},
     )
     generation_mode: str = field(
         default="auto",
         metadata={"help": "'stream': each prompt group is its own request, sampled as soon as it is admitted next to "
                   "whatever else the engine runs and returned the moment its samples end (vLLM); 'batch': one "
                   "generate call per batch chunk, returned when its longest sample ends (the baseline); 'auto': "
-                  "stream with vllm, batch with transformers."},
+                  "stream with vllm, batch with transformers (decided after generator_backend)."},
     )
     weight_load: str = field(
         default="drain",
@@ -190,7 +196,37 @@ class AsyncRLConfig(TrainingArguments):
                   "the prompt's completions (RLHFless's shared prefix; equal to the unshared forward within float "
                   "tolerance, see benchmarks/shared_prefix.py for the time saved)."},
     )
-    model_init_kwargs: dict | None = field(default=None, metadata={"help": "kwargs for from_pretrained."})
+    model_init_kwargs: dict | str | None = field(default=None, metadata={"help": "kwargs for from_pretrained (a dict, "
+                                                                            "or JSON text)."})
+    # ---- TRL 1.16 OnlineDPOConfig's generation fields: accepted under TRL's names; how each maps onto the fields
+    # above, or why it cannot apply here (one warning lists those set), is in trl_fields.py ----------------------
+    use_vllm: bool | None = field(default=None, metadata={"help": "TRL: True sets generator_backend='vllm', False "
+                                                                   "'transformers'; None (default) leaves it."})
+    vllm_mode: str = field(default="colocate", metadata={"help": "TRL: 'colocate' (default): vLLM runs in our "
+                           "generator processes on generator_devices, never inside a learner; 'server' with use_vllm: "
+                           "generator_servers = vllm_server_base_url (or host:port), an async_rlhf.generation.serve."})
+    vllm_server_base_url: str | None = field(default=None, metadata={"help": "TRL: server URL (vllm_mode='server')."})
+    vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "TRL: server host (vllm_mode='server')."})
+    vllm_server_port: int = field(default=8000, metadata={"help": "TRL: server port (vllm_mode='server')."})
+    vllm_server_timeout: float = field(default=240.0, metadata={"help": "TRL: no-op (generator_start_timeout)."})
+    vllm_group_port: int = field(default=51216, metadata={"help": "TRL: no-op (weights go through shm files)."})
+    vllm_model_impl: str = field(default="vllm", metadata={"help": "TRL: no-op unless 'vllm' (our engines use vLLM's "
+                                                                   "own model code)."})
+    vllm_structured_outputs_regex: str | None = field(default=None, metadata={"help": "TRL: no-op."})
+    vllm_enable_sleep_mode: bool = field(default=False, metadata={"help": "TRL: no-op (generators own their "
+                                                                          "devices; nothing to free)."})
+    generation_kwargs: dict | str | None = field(
+        default=None, metadata={"help": "TRL: its keys temperature, top_p, top_k, min_p, repetition_penalty, "
+                                "max_new_tokens (or vLLM's max_tokens) override those fields; do_sample=False sets "
+                                "temperature 0 (greedy); other keys are not applied (warned)."})
+    min_p: float | None = field(default=None, metadata={"help": "Drop tokens less likely than min_p x the most likely "
+                                                                 "one (after temperature); None or 0: off (TRL)."})
+    repetition_penalty: float = field(default=1.0, metadata={"help": "Logits of tokens already in the prompt or "
+                                      "completion become l/p if l > 0 else l*p; 1.0: off (TRL)."})
+    cache_implementation: str | None = field(default=None, metadata={"help": "TRL: no-op."})
+    ds3_gather_for_generation: bool = field(default=True, metadata={"help": "TRL: no-op; ZeRO-3 weights are always "
+                                                                            "gathered for the generators."})
+    trust_remote_code: bool = field(default=False, metadata={"help": "TRL: no-op; model code is never fetched."})
     min_generations = 2  # class constant (not a field): pairs / leave-one-out need two samples per prompt
     # ---- TrainingArguments defaults that differ (CPU-sized, nothing phones home) -----------------------------
     remove_unused_columns: bool = False
@@ -202,6 +238,8 @@ class AsyncRLConfig(TrainingArguments):
         if self.generator_servers is not None:
             self.generator_servers = _comma_list(self.generator_servers)
         check_types(self)
+        apply_trl_fields(self)
+        check_types(self)  # again: generation_kwargs may have set sampling fields
         if self.num_mini_batches is not None:
             n = self.num_mini_batches
             _require(n >= 1, "num_mini_batches", f"must be >= 1, got {n}")
@@ -228,7 +266,7 @@ class AsyncRLConfig(TrainingArguments):
         for name, allowed in (("generation_mode", GENERATION_MODES), ("weight_load", WEIGHT_LOADS),
                               ("generator_assignment", ASSIGNMENTS)):
             _require(getattr(self, name) in allowed, name, f"{getattr(self, name)!r} is not one of {allowed}")
-        _require(self.generation_mode != "stream" or self.generator_backend == "vllm" or self.generator_servers,
+        _require(self.generation_mode != "stream" or self.generator_backend != "transformers" or self.generator_servers,
                  "generation_mode", "'stream' needs generator_backend='vllm' (transformers samples whole batches)")
         self._check_generator_servers()
         check_dir("shm_dir", self.shm_dir)

@@ -6,7 +6,8 @@ Rules, from each field's declared annotation (`int`, `float | None`, `list[str]`
 * `int` takes an int and nothing else: `True` is not an int here, `1.5` and `"2"` are refused (no silent rounding);
 * `float` takes an int or a float (stored as float) that is finite: `inf` and `nan` are refused everywhere (a NaN
   slips through every `>`/`<` range check, and an infinite timeout overflows the waits it reaches);
-* `bool` takes only `True`/`False`; `str` only a string; `dict` a dict with string keys;
+* `bool` takes only `True`/`False`; `str` only a string; `dict` (and `dict | str`, so that the command line can pass
+  JSON) a dict with string keys or its JSON text;
 * `list[X]` takes a list of X; a single X is also taken where `__post_init__` accepts one (a comma-separated string
   for `generator_devices` and `generator_servers`, one number for online DPO's `beta`).
 Ranges that the type alone cannot say are in `RANGES`. `check_dir` checks a directory we write into exists, is
@@ -16,6 +17,7 @@ writable and has room.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import shutil
@@ -43,6 +45,11 @@ RANGES = {
     "vf_coef": (lambda v: v >= 0, ">= 0"),
     "cliprange_value": (lambda v: v > 0, "> 0"),
     "shm_dir": (lambda v: v != "", "a directory"),
+    "vllm_server_port": (lambda v: 1 <= v <= 65535, "a port number (1-65535)"),
+    "vllm_group_port": (lambda v: 1 <= v <= 65535, "a port number (1-65535)"),
+    "vllm_server_timeout": (lambda v: v > 0, "> 0 seconds"),
+    "min_p": (lambda v: 0 <= v <= 1, "in [0, 1] (or None)"),
+    "repetition_penalty": (lambda v: v > 0, "> 0"),
 }
 TIMEOUT_FIELDS = ("generator_start_timeout", "rollout_timeout", "weight_sync_timeout")
 SINGLE_FOR_LIST = ("generator_devices", "generator_servers", "beta")  # `__post_init__` turns a single value into a list
@@ -67,6 +74,8 @@ def _convert(value, kind, where: str):
         if value is None:
             return None
         options = tuple(o for o in options if o is not type(None))
+    if set(options) == {dict, str}:  # `dict | str`: a dict, or its JSON text from the command line
+        options = (dict,)
     (kind,) = options
     if kind is bool:
         if not isinstance(value, bool):
@@ -87,6 +96,11 @@ def _convert(value, kind, where: str):
             raise _Refused(f"{where}: expected a string, got {value!r} ({type(value).__name__})")
         return value
     if kind is dict:
+        if isinstance(value, str):  # a JSON object, as TRL and transformers take dict fields on the command line
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise _Refused(f"{where}: {value!r} is not a JSON object ({exc})") from None
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
             raise _Refused(f"{where}: expected a dict with string keys, got {value!r}")
         return value

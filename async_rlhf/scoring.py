@@ -61,6 +61,9 @@ class RewardScorer:
             self.names.append(reward_name(f))
             if is_model:
                 proc = proc or AutoTokenizer.from_pretrained(f.config._name_or_path)
+                if proc.pad_token_id is None:  # as TRL: pad with EOS, and tell the model which id pads (it scores
+                    proc.pad_token = proc.eos_token  # the last non-pad token of each row)
+                f.config.get_text_config().pad_token_id = proc.pad_token_id
                 f = prepare_model(f) if prepare_model else f.to(device).eval().requires_grad_(False)
             elif not callable(f):
                 raise TypeError(f"reward_funcs: {f!r} is not a callable, a model or a path")

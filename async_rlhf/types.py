@@ -33,6 +33,9 @@ class SamplingSettings:
     top_k: int = -1  # -1: no top-k filter
     n: int = 2  # completions per prompt
     seed: int | None = None
+    min_p: float = 0.0  # 0: off; else drop tokens less likely than min_p x the most likely one (after temperature)
+    repetition_penalty: float = 1.0  # 1: off; else logits of tokens already in the prompt or completion: l/p if l > 0
+    # else l*p (before temperature; transformers' and vLLM's definition)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -40,9 +43,13 @@ class SamplingSettings:
     @classmethod
     def from_dict(cls, d) -> SamplingSettings:
         f = check_fields(d, "settings", {"max_new_tokens": nonneg, "temperature": number, "top_p": number,
-                                         "top_k": integer, "n": nonneg, "seed": optional(integer)})
+                                         "top_k": integer, "n": nonneg, "seed": optional(integer), "min_p": number,
+                                         "repetition_penalty": number})
         if f["temperature"] < 0 or not 0 < f["top_p"] <= 1:
             raise FieldError(f"settings: temperature {f['temperature']} must be >= 0 and top_p {f['top_p']} in (0, 1]")
+        if not 0 <= f["min_p"] <= 1 or not f["repetition_penalty"] > 0:
+            raise FieldError(f"settings: min_p {f['min_p']} must be in [0, 1] and repetition_penalty "
+                             f"{f['repetition_penalty']} > 0")
         return cls(**f)
 
 

@@ -12,14 +12,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-INTEGRATION_DIR = pathlib.Path(__file__).parent / "integration"
+INTEGRATION_DIRS = [pathlib.Path(__file__).parent / name for name in ("integration", "compat")]
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items):
-    """Everything under tests/integration/ is marked `integration`: `-m "not integration"` is the unit tier."""
+    """Everything under tests/integration/ and tests/compat/ (TRL's cases, which train with generator processes)
+    is marked `integration`: `-m "not integration"` is the unit tier."""
     for item in items:
-        if item.path.is_relative_to(INTEGRATION_DIR):
+        if any(item.path.is_relative_to(d) for d in INTEGRATION_DIRS):
             item.add_marker(pytest.mark.integration)
 
 

@@ -62,6 +62,10 @@ class HFBackend:
         if settings.temperature > 0:
             # top_k 0 means no top-k warper; left unset, transformers' legacy default of 50 could apply.
             warpers = dict(temperature=settings.temperature, top_k=max(settings.top_k, 0), top_p=settings.top_p)
+            if settings.min_p > 0:
+                warpers["min_p"] = settings.min_p
+        if settings.repetition_penalty != 1.0:  # applies to greedy decoding too; `out.scores` include it
+            warpers["repetition_penalty"] = settings.repetition_penalty
         config = GenerationConfig(
             max_new_tokens=max(max_new_tokens) if max_new_tokens else settings.max_new_tokens,
             do_sample=settings.temperature > 0,

@@ -83,7 +83,9 @@ def generate_body(model: str, prompt: list[int], settings: SamplingSettings, see
     return {"model": model, "token_ids": prompt, "output_mode": "tokens",
             "sampling_params": {"n": settings.n, "max_tokens": settings.max_new_tokens,
                                 "temperature": settings.temperature, "top_p": settings.top_p,
-                                "top_k": max(settings.top_k, 0), "seed": seed, "logprobs": 0, "detokenize": False}}
+                                "top_k": max(settings.top_k, 0), "min_p": settings.min_p,
+                                "repetition_penalty": settings.repetition_penalty, "seed": seed, "logprobs": 0,
+                                "detokenize": False}}
 
 
 def _version(label: Any, default: int) -> int:

@@ -55,7 +55,7 @@ def check_context_length(args: AsyncRLConfig, model_config) -> None:
     if args.max_length > positions:
         raise ConfigError(f"max_length: {args.max_length} is more than {name}'s max_position_embeddings {positions}; "
                           f"pass --max_length {positions} or less")
-    if args.generator_backend == "vllm" and (args.vllm_max_model_len or 0) > positions:
+    if args.generator_backend != "transformers" and (args.vllm_max_model_len or 0) > positions:
         raise ConfigError(f"vllm_max_model_len: {args.vllm_max_model_len} is more than {name}'s "
                           f"max_position_embeddings {positions}; pass --vllm_max_model_len {positions} or less")
 

@@ -21,12 +21,13 @@ import time
 
 import torch
 from torch.utils.data import DataLoader
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback
+from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainerCallback
 
 from async_rlhf import checkpointing
 from async_rlhf.config import AsyncRLConfig, ConfigError
 from async_rlhf.data.prompts import check_prompt_dataset, completion_budgets, tokenize_prompts
 from async_rlhf.frozen_models import prepare_frozen, reference_model
+from async_rlhf.generation.backend_choice import resolve_generator_backend
 from async_rlhf.generation.placement import (check_context_length, check_generator_devices, check_shm_space,
                                              engine_kwargs,
                                              initial_model_dir)
@@ -36,6 +37,7 @@ from async_rlhf.run_summary import build_summary, format_summary
 from async_rlhf.scoring import RewardScorer, score_parts, score_rows
 from async_rlhf.staleness_queue import StageTimeout
 from async_rlhf.trainers.nonfinite import NonFiniteGuard, NonFiniteSteps
+from async_rlhf.trainers.trl_compat import check_trl_arguments, set_trl_attributes, tokenizer_for
 from async_rlhf.types import RolloutBatch, SamplingSettings, ScoredGroup
 
 LOG_HISTORY_KEPT = 100  # entries of `state.log_history` kept in memory; metrics.jsonl holds them all
@@ -100,15 +102,15 @@ class AsyncTrainerBase(Trainer):
         check_prompt_dataset(train_dataset)
         reward_funcs = reward_funcs if reward_funcs is not None else args.reward_model_path
         if reward_funcs is None:
-            raise ConfigError("reward_funcs: pass a reward function, a reward model or a path "
+            raise ConfigError("reward_funcs: must be provided: a reward function, a reward model or a path "
                               "(or set reward_model_path)")
+        check_trl_arguments(model, ref_model, reward_funcs, args, reward_processing_classes)
         check_generator_devices(args)
         check_shm_space(args, model if isinstance(model, str) else None)
 
         # ---- tokenizer and prompts: cheap, so checked before any model loads -----------------------------------
         self._source_model_path = model if isinstance(model, str) else None
-        if processing_class is None:
-            processing_class = AutoTokenizer.from_pretrained(self._source_model_path or model.config._name_or_path)
+        processing_class = tokenizer_for(processing_class, model, self._source_model_path)
         if processing_class.eos_token_id is None:
             raise ConfigError("processing_class: the tokenizer has no eos_token; set one (completions must end)")
         if processing_class.pad_token_id is None:
@@ -128,6 +130,8 @@ class AsyncTrainerBase(Trainer):
         elif ref_model is None:  # under ZeRO-3 loaded again (partitioned), not copied: see frozen_models.py
             ref_model = reference_model(model, self._source_model_path, init_kwargs)
         ref_model.eval().requires_grad_(False)
+        resolve_generator_backend(args, model.config, (model.config.architectures or [type(model).__name__])[0],
+                                  str(next(model.parameters()).dtype).removeprefix("torch."))
         if args.disable_dropout:
             _disable_dropout(model)
             _disable_dropout(ref_model)
@@ -140,9 +144,11 @@ class AsyncTrainerBase(Trainer):
         self.scorer = RewardScorer(reward_funcs, args.reward_weights, reward_processing_classes,
                                    args.missing_eos_penalty, args.reward_failure, device=self.accelerator.device,
                                    prepare_model=lambda m: prepare_frozen(m, self.accelerator))
+        set_trl_attributes(self, args, model, processing_class)
         self.pipeline: RolloutPipeline | None = None
         self.add_callback(_PipelineHooks(self))
         self._metrics: dict[str, list[float]] = collections.defaultdict(list)
+        self.stats = self._metrics  # TRL's name: metric -> its values since the last log
         self._micro = 0
         self._step_batch: RolloutBatch | None = None
         self._loop_seconds = 0.0
@@ -173,7 +179,8 @@ class AsyncTrainerBase(Trainer):
     def sampling_settings(self) -> SamplingSettings:
         a = self.args
         return SamplingSettings(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
-                                top_k=a.top_k if a.top_k > 0 else -1, n=a.num_generations, seed=a.seed)
+                                top_k=a.top_k if a.top_k > 0 else -1, n=a.num_generations, seed=a.seed,
+                                min_p=a.min_p or 0.0, repetition_penalty=a.repetition_penalty)
 
     def packing(self) -> dict:
         """How `logprobs.sequence_terms` packs this trainer's rows."""

@@ -39,6 +39,11 @@ class AsyncOnlineDPOTrainer(AsyncTrainerBase):
     config_class = AsyncOnlineDPOConfig
     _tag_names = ["async_rlhf", "online-dpo"]
 
+    @property
+    def beta(self) -> float:
+        """TRL's: the epoch's value of `args.beta` (a list gives one per epoch, the last one repeating)."""
+        return self.args.beta_at(self.state.epoch or 0.0)
+
     def compute_rollout_loss(self, model, groups: list[ScoredGroup]):
         a = self.args
         pairs, skipped = select_pairs(groups)

@@ -118,6 +118,52 @@ def test_behaviour_logprobs_match_forward(backend, reference, temperature, top_k
             torch.testing.assert_close(torch.tensor(completion.logprobs), expected, atol=ATOL, rtol=0)
 
 
+@torch.no_grad()
+def reference_greedy_penalized(model, prompt: list[int], max_new_tokens: int, penalty: float) -> list[int]:
+    """Greedy decoding with the repetition penalty: each token already in the prompt or completion has its logit l
+    replaced by l / penalty if l > 0, else l * penalty."""
+    ids = list(prompt)
+    for _ in range(max_new_tokens):
+        logits = model(torch.tensor([ids])).logits[0, -1].float()
+        seen = torch.tensor(sorted(set(ids)))
+        logits[seen] = torch.where(logits[seen] > 0, logits[seen] / penalty, logits[seen] * penalty)
+        ids.append(int(logits.argmax()))
+        if ids[-1] == EOS:
+            break
+    return ids[len(prompt) :]
+
+
+def test_repetition_penalty_is_applied(backend, reference):  # before any test loads other weights
+    settings = SamplingSettings(max_new_tokens=16, temperature=0.0, n=1, repetition_penalty=3.0)
+    result = backend.generate(PROMPTS, settings)
+    for prompt, (completion,) in zip(PROMPTS, result, strict=True):
+        assert completion.token_ids == reference_greedy_penalized(reference, prompt, 16, 3.0)
+    assert tokens(result) != tokens(backend.generate(PROMPTS, GREEDY))  # the penalty changed the greedy tokens
+
+
+def test_min_p_keeps_only_tokens_near_the_most_likely(backend, reference):
+    """Every token sampled with min_p has probability >= min_p x the most likely token's; without min_p some does
+    not (so the check can fail)."""
+    import math
+
+    def below_min_p(result, min_p):
+        worst = []
+        for prompt, group in zip(PROMPTS, result, strict=True):
+            for completion in group:
+                ids = torch.tensor([prompt + completion.token_ids])
+                logps = reference(ids).logits[0, len(prompt) - 1 : -1].float().log_softmax(-1)  # [T, V]
+                chosen = logps.gather(-1, torch.tensor(completion.token_ids)[:, None])[:, 0]
+                worst.append(float((chosen - logps.max(-1).values).min()))
+        return min(worst) < math.log(min_p) - 1e-4
+
+    with torch.no_grad():
+        filtered = backend.generate(PROMPTS, SamplingSettings(max_new_tokens=12, temperature=1.0, n=4, seed=7,
+                                                              min_p=0.5))
+        plain = backend.generate(PROMPTS, SamplingSettings(max_new_tokens=12, temperature=1.0, n=4, seed=7))
+        assert not below_min_p(filtered, 0.5)
+        assert below_min_p(plain, 0.5)
+
+
 def test_n_completions_and_finish_reasons(backend):
     # The random tiny model gives EOS ~1/104 per token: over 48 x 24 tokens both finish reasons occur.
     settings = SamplingSettings(max_new_tokens=24, temperature=1.0, n=16, seed=1)
@@ -262,3 +308,4 @@ def test_each_prompt_stops_at_its_own_budget(backend):
             assert len(c.token_ids) == len(c.logprobs) <= budget
             assert c.finish_reason == ("length" if c.token_ids[-1:] != [EOS] else "stop")
     assert any(len(c.token_ids) == 9 for c in out[1])  # the random policy rarely ends early
+

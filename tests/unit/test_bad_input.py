@@ -73,8 +73,8 @@ def trainer(output_dir, make_config):
 
 # ---- config values -----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("cls, kw, message", [
-    (AsyncOnlineDPOConfig, {"generator_backend": "tgi"}, r"generator_backend: 'tgi' is not one of \('vllm', "
-                                                        r"'transformers'\)"),
+    (AsyncOnlineDPOConfig, {"generator_backend": "tgi"}, r"generator_backend: 'tgi' is not one of \('auto', "
+                                                        r"'vllm', 'transformers'\)"),
     (AsyncOnlineDPOConfig, {"reward_failure": "ignore"}, r"reward_failure: 'ignore' is not one of \('raise', "
                                                          r"'skip'\)"),
     (AsyncOnlineDPOConfig, {"loss_type": "hinge"}, "loss_type: 'hinge' is not 'sigmoid' or 'ipo'"),
@@ -92,7 +92,7 @@ def test_out_of_range_values_name_the_field_and_the_valid_values(output_dir, mak
 
 
 def test_out_of_range_value_from_the_command_line(output_dir):
-    with pytest.raises(ConfigError, match=r"generator_backend: 'sglang' is not one of \('vllm', 'transformers'\)"):
+    with pytest.raises(ConfigError, match=r"generator_backend: 'sglang' is not one of \('auto', 'vllm', 'transformers'\)"):
         parse_args((AsyncOnlineDPOConfig,), ["--output_dir", output_dir, "--generator_backend", "sglang"])
 
 
