@@ -119,8 +119,8 @@ class AsyncRLConfig(TrainingArguments):
     )
     colocate: bool = field(
         default=False,
-        metadata={"help": "Let generators share the learners' devices (one GPU for everything; TRL's "
-                  "vllm_mode='colocate'). vLLM then takes vllm_gpu_memory_utilization of the GPU next to the "
+        metadata={"help": "Let generators share the learners' devices (one GPU for everything: what TRL's "
+                  "vllm_mode='colocate' does; ours runs vLLM in generator processes either way). vLLM then takes vllm_gpu_memory_utilization of the GPU next to the "
                   "learner (0.3 leaves room for a small policy's training), and a generator on learner rank 0's GPU "
                   "receives weights as CUDA IPC handles to rank 0's copy (no bytes copied between processes); "
                   "elsewhere, and on CPU, through shm files as usual. Staleness and records are unchanged."},
