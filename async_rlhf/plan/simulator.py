@@ -3,6 +3,8 @@
 What it models (and where the rule lives in the code):
 - **Admission** (`pipeline._dispatch`, `StalenessQueue.admissible`): batch c is dispatched once the newest weights
   queued to the generators have version >= c - S; at the start, batches 0..S go at once.
+- **Messages** from the learner reach a generator's inbox `dispatch_seconds` after they are sent (on one machine:
+  pickling and the pipe, slowed when the learner's training holds the GIL), in the order they were sent.
 - **The learner**: step b starts when batch b is complete (all its parts returned, plus `handoff_seconds`: the IPC,
   scoring tail and reassembly between the last part leaving its generator and the batch entering the queue) and
   the previous step has ended; it takes `train_seconds`, then, every `sync_every` steps, `sync_seconds` (gather and
@@ -61,6 +63,7 @@ class SimConfig:
     sync_seconds: float = 0.0       # learner, one weight sync (gather + publish)
     load_seconds: float = 0.0       # generator, loading one weight update
     handoff_seconds: float = 0.0    # last part out of its generator -> batch ready for the learner
+    dispatch_seconds: float = 0.0   # a message from the learner reaching a generator's inbox
     generators: int = 1
     sync_every: int = 1
     mode: str = "stream"            # "stream" | "batch"
@@ -180,7 +183,7 @@ class Simulator:
                 parts.append((g, owner, 1))
         self.parts_left[b] = len(parts)
         for k, (lengths, owner, prompts) in enumerate(parts):
-            self._arrive(t, owner, ("generate", _Request(b, k, lengths, prompts * c.prompt_tokens)))
+            self._post(t, owner, ("generate", _Request(b, k, lengths, prompts * c.prompt_tokens)))
 
     def _try_train(self, t: float) -> None:
         b = self.next_step
@@ -204,11 +207,17 @@ class Simulator:
         if synced:
             self.queued_version = b + 1
             for g in range(len(self.gens)):
-                self._arrive(t, g, ("weights", b + 1))
+                self._post(t, g, ("weights", b + 1))
         self._dispatch(t)
         self._try_train(t)
 
     # ---- the generator side ----------------------------------------------------------------------------------
+    def _post(self, t: float, g: int, msg) -> None:
+        if self.c.dispatch_seconds > 0:
+            self._push(t + self.c.dispatch_seconds, "arrive", g, msg)  # FIFO kept: same delay, pushed in order
+        else:
+            self._arrive(t, g, msg)
+
     def _arrive(self, t: float, g: int, msg) -> None:
         gen = self.gens[g]
         gen.inbox.append(msg)
@@ -334,6 +343,8 @@ class Simulator:
                 g, token, _ = p
                 if token == self.gens[g].token:
                     self._engine(t, g)
+            elif kind == "arrive":
+                self._arrive(t, *p)
             elif kind == "idle_check":
                 gen = self.gens[p[0]]
                 gen.check_pending = False
