@@ -39,6 +39,7 @@ def build_summary(pipeline, args, accelerator, steps: int, wall: float, loop_sec
         "handoff_seconds": p.latency[1],  # summed over batches: last part received on rank 0 -> batch queued
         "timed_batches": p.latency[2],
         "syncs": p.syncs,
+        "scoring_seconds": stats.get("scoring/seconds", 0.0),  # rank 0's scoring thread (score_while_generating)
         "completion_length_counts": {int(k): v for k, v in sorted(p.length_counts.items())},
         "generator_imbalance": {k.split("/")[1]: v for k, v in stats.items() if k.startswith("generator/imbalance")},
         "staleness_histogram": {int(k): v for k, v in sorted(p.queue.staleness_counts.items())},

@@ -43,6 +43,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--budget", type=float, help="GPU-hours: the fastest plan that costs no more")
     p.add_argument("--any_node_generators", action="store_true",
                    help="let generators sit on any node (a prediction: our weight transport needs node 0 today)")
+    p.add_argument("--learners", type=int, help="only plans with this many learner ranks")
+    p.add_argument("--generators", type=int, help="only plans with this many generators")
+    p.add_argument("--tp", type=int, help="only plans with this vLLM tensor parallel size")
     p.add_argument("--top", type=int, default=10)
     args = p.parse_args(argv)
     for name in ("gpus", "nodes", "steps", "top"):
@@ -83,15 +86,27 @@ def main(argv: list[str]) -> int:
     if cost_aware:
         step = dev.gpus_per_node if args.nodes > 1 else 1
         counts = [c for c in range(2 if step == 1 else step, args.gpus + 1, step)]
-    plans = sr.search(shape, dev, w, args.gpus, args.nodes, args.any_node_generators, counts,
-                      seeds=3 if cost_aware else 1)
+    try:
+        plans = sr.search(shape, dev, w, args.gpus, args.nodes, args.any_node_generators, counts,
+                          seeds=3 if cost_aware else 1, split=(args.learners, args.generators, args.tp))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(f"model {shape.name}: {shape.params / 1e9:.3g}B parameters | device {dev.name}: {dev.source}")
     print(f"workload: {w.prompts_per_step} prompts x {w.n} samples per step, prompt {w.prompt_tokens} tokens, "
           f"response mean {w.response_mean:g} (cv {w.response_cv:g}, max {w.response_max}) | PREDICTED, not measured")
     if not plans:
-        print("no plan fits: more devices, a device with more memory, or a smaller model / micro-batch")
+        why = ""
+        if args.learners and args.prompts_per_step % args.learners:
+            why = f" (--prompts_per_step {args.prompts_per_step} is not divisible by --learners {args.learners})"
+        print(f"no plan fits{why}: more devices, a device with more memory, or a smaller model / micro-batch")
         return 1
     print(table(plans[:args.top], args.steps))
+    if any(v is not None for v in (args.learners, args.generators, args.tp)):
+        by_s = {e.plan.max_staleness: e for e in reversed(plans)}  # the fastest plan of each staleness
+        if 0 in by_s and 1 in by_s:
+            print(f"asynchronous (S=1) vs synchronous (S=0) on this split: "
+                  f"{by_s[0].step_seconds / by_s[1].step_seconds:.2f}x faster")
     chosen = sr.best(plans)
     if cost_aware:
         chosen = sr.cost_aware(plans, args.steps, args.deadline, args.budget)

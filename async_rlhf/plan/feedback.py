@@ -34,14 +34,21 @@ def inputs_from_summary(s: dict, prompts_per_step: int, n: int) -> SimConfig:
     per_token = s["generator_busy_seconds"] / max(tokens, 1)
     timed = max(1, int(s.get("timed_batches") or batches))
     load = s.get("sync_load_seconds", 0.0) / syncs / gens
-    handoff = s.get("handoff_seconds", 0.0) / timed
+    parts = max(1, batches * (prompts_per_step if s.get("generation_mode", "stream") == "stream" else gens))
+    score = s.get("scoring_seconds", 0.0) / parts
+    handoff_measured = s.get("handoff_seconds", 0.0) / timed
+    # the measured hand-off (last part received -> batch queued) is mostly scoring and its backlog; with the scoring
+    # thread simulated (its time per part known) only the reassembly is left, which is negligible
+    handoff = 0.0 if score else handoff_measured
     # what the rollout latency (dispatch -> queued) holds besides sampling, loading and the hand-off: the transit
-    dispatch = max(0.0, s.get("rollout_latency_seconds", 0.0) / timed - handoff - load - s["generate_seconds"] / batches)
+    dispatch = max(0.0, s.get("rollout_latency_seconds", 0.0) / timed - handoff_measured - load
+                   - s["generate_seconds"] / batches)
     return SimConfig(
         steps=steps, max_staleness=int(s["max_staleness"]), prompts_per_step=prompts_per_step, n=n,
         engine=EngineModel(compute_per_seq=per_token), lengths=lengths,
         train_seconds=max(0.0, (s["train_seconds"] - s["sync_seconds"]) / steps),
         sync_seconds=s["sync_seconds"] / syncs, load_seconds=load, handoff_seconds=handoff, dispatch_seconds=dispatch,
+        score_seconds=score,
         generators=gens,
         sync_every=int(s.get("sync_every") or 1), mode=s.get("generation_mode", "stream"))
 

@@ -117,8 +117,9 @@ def evaluate_split(shape: ModelShape, dev: DeviceProfile, w: cm.Workload, learne
 
 
 def search(shape: ModelShape, dev: DeviceProfile, w: cm.Workload, gpus: int, nodes: int = 1,
-           any_node_generators: bool = False, gpu_counts: list[int] | None = None, seeds: int = 1) -> list[Evaluated]:
-    """Every fitting plan, fastest first."""
+           any_node_generators: bool = False, gpu_counts: list[int] | None = None, seeds: int = 1,
+           split: tuple[int | None, int | None, int | None] = (None, None, None)) -> list[Evaluated]:
+    """Every fitting plan, fastest first; `split` = (learners, generators, tp) keeps only plans with those (None: any)."""
     if gpus < 2:
         raise ValueError(f"gpus: a plan needs at least 2 devices (one learner, one generator), got {gpus}")
     if nodes < 1 or (nodes > 1 and gpus != nodes * dev.gpus_per_node):
@@ -130,6 +131,8 @@ def search(shape: ModelShape, dev: DeviceProfile, w: cm.Workload, gpus: int, nod
         if n_nodes > 1 and count != n_nodes * dev.gpus_per_node:
             continue
         for learners, generators, tp in splits(dev, count, n_nodes, any_node_generators):
+            if any(want is not None and want != got for want, got in zip(split, (learners, generators, tp))):
+                continue
             out += evaluate_split(shape, dev, w, learners, generators, tp, n_nodes, seeds=seeds)
     return sorted(out, key=rank_key)
 

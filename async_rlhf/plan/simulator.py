@@ -5,8 +5,10 @@ What it models (and where the rule lives in the code):
   queued to the generators have version >= c - S; at the start, batches 0..S go at once.
 - **Messages** from the learner reach a generator's inbox `dispatch_seconds` after they are sent (on one machine:
   pickling and the pipe, slowed when the learner's training holds the GIL), in the order they were sent.
-- **The learner**: step b starts when batch b is complete (all its parts returned, plus `handoff_seconds`: the IPC,
-  scoring tail and reassembly between the last part leaving its generator and the batch entering the queue) and
+- **Scoring while generating** (`scoring_stage.py`): each returned part waits for rank 0's one scoring thread, which
+  takes `score_seconds` per part, parts in arrival order (0: scored in the learner's step, inside `train_seconds`).
+- **The learner**: step b starts when batch b is complete (all its parts returned and scored, plus `handoff_seconds`:
+  the IPC and reassembly between the last part leaving its generator and the batch entering the queue) and
   the previous step has ended; it takes `train_seconds`, then, every `sync_every` steps, `sync_seconds` (gather and
   publish, on the learner's critical path), after which the weights are queued to every generator and admission
   is checked again.
@@ -64,6 +66,7 @@ class SimConfig:
     load_seconds: float = 0.0       # generator, loading one weight update
     handoff_seconds: float = 0.0    # last part out of its generator -> batch ready for the learner
     dispatch_seconds: float = 0.0   # a message from the learner reaching a generator's inbox
+    score_seconds: float = 0.0      # rank 0's scoring thread, per part, one part after another in arrival order
     generators: int = 1
     sync_every: int = 1
     mode: str = "stream"            # "stream" | "batch"
@@ -150,6 +153,7 @@ class Simulator:
         self.next_dispatch = 0
         self.next_step = 0
         self.learner_free = 0.0
+        self.scorer_free = 0.0
         self.learner_busy = False
         self.wait = 0.0
         self.step_ends: list[float] = []
@@ -319,6 +323,13 @@ class Simulator:
         self._serve_stream(t, g)
 
     def _part_done(self, t: float, req: _Request) -> None:
+        if self.c.score_seconds > 0:  # one scoring thread: a part waits for the parts that arrived before it
+            self.scorer_free = max(t, self.scorer_free) + self.c.score_seconds
+            self._push(self.scorer_free, "scored", req)
+        else:
+            self._part_scored(t, req)
+
+    def _part_scored(self, t: float, req: _Request) -> None:
         self.part_versions[req.batch].append(req.version)
         self.parts_left[req.batch] -= 1
         if self.parts_left[req.batch] == 0:
@@ -343,6 +354,8 @@ class Simulator:
                 g, token, _ = p
                 if token == self.gens[g].token:
                     self._engine(t, g)
+            elif kind == "scored":
+                self._part_scored(t, p[0])
             elif kind == "arrive":
                 self._arrive(t, *p)
             elif kind == "idle_check":

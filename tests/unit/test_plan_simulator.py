@@ -93,3 +93,14 @@ def test_plan_cli_prints_a_table_and_the_command(capsys):
     assert "no plan fits" in capsys.readouterr().out
     assert plan_main(["--model_size", "8B", "--gpus", "8", "--gpu_type", "TPU"]) == 2
     assert "gpu_type" in capsys.readouterr().err
+
+
+def test_scoring_thread_serves_parts_one_after_another():
+    # batch-level, one generator: one part per batch; scoring it (0.1 s) adds to every synchronous step
+    base = simulate(cfg(mode="batch"))
+    scored = simulate(cfg(mode="batch", score_seconds=0.1))
+    assert scored.total_seconds == pytest.approx(base.total_seconds + 6 * 0.1)
+    # streaming: 4 groups a batch each wait for the scoring of the groups before them; with 1 s per part the
+    # scoring thread (4 s a batch) sets the pace once generation overlaps training
+    slow = simulate(cfg(max_staleness=2, steps=12, score_seconds=1.0))
+    assert slow.steady_step_seconds == pytest.approx(4.0, rel=1e-6)
