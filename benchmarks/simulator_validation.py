@@ -68,17 +68,17 @@ def row(name: str, load: float, s: dict) -> dict:
     return {"config": name, "load_1min": load, "measured": measured, "predicted": predicted,
             "error": predicted / measured - 1, "formula": overlap_formula(s), "train": cfg.train_seconds,
             "gen_busy": s["generator_busy_seconds"] / s["steps"], "handoff": cfg.handoff_seconds,
-            "transit": cfg.dispatch_seconds}
+            "transit": cfg.dispatch_seconds, "score": cfg.score_seconds}
 
 
 def table(rows: list[dict]) -> str:
     lines = ["| configuration | load before | measured s/step | simulated s/step | error | overlap formula (error) | "
-             "inputs: train s/step, sampling s/batch (all generators), hand-off s, transit s |",
+             "inputs: train s/step, sampling s/batch (all generators), scoring s/part, hand-off s, transit s |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         lines.append(f"| {r['config']} | {r['load_1min']:.2f} | {r['measured']:.3f} | {r['predicted']:.3f} | "
                      f"{r['error']:+.1%} | {r['formula']:.3f} ({r['formula'] / r['measured'] - 1:+.0%}) | "
-                     f"{r['train']:.3f}, {r['gen_busy']:.3f}, {r['handoff']:.3f}, {r['transit']:.3f} |")
+                     f"{r['train']:.3f}, {r['gen_busy']:.3f}, {r['score']:.4f}, {r['handoff']:.3f}, {r['transit']:.3f} |")
     errors = [abs(r["error"]) for r in rows]
     if errors:
         lines.append(f"\nmean |error| {sum(errors) / len(errors):.1%}, max {max(errors):.1%} over {len(rows)} runs")

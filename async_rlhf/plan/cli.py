@@ -113,7 +113,7 @@ def main(argv: list[str]) -> int:
         if chosen is None:
             print(f"no plan meets --deadline {args.deadline} h / --budget {args.budget} GPU-h for {args.steps} steps")
             return 1
-        print(f"cost-aware choice for {args.steps} steps: {chosen.plan.gpus} devices, "
+        print(f"cost-aware choice for {args.steps} steps: {chosen.devices} devices, "
               f"{chosen.step_seconds * args.steps / 3600:.3g} h (slowest length draw "
               f"{chosen.worst_step_seconds * args.steps / 3600:.3g} h), {chosen.gpu_hours(args.steps):.3g} GPU-hours")
     print(f"best: {describe(chosen.plan)}: {chosen.step_seconds:.3g} s/step, {chosen.samples_per_s:.3g} samples/s")

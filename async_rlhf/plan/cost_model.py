@@ -137,7 +137,7 @@ def engine_model(shape: ModelShape, dev: DeviceProfile, w: Workload, tp: int) ->
                            prefill_token=(dev.engine_prefill_token or 0.0) * scale, max_running=running)
     bw = dev.mem_bandwidth * dev.decode_bw_efficiency * tp
     context = w.prompt_tokens + w.response_mean / 2
-    tp_latency = 2 * shape.layers * 8e-6 if tp > 1 else 0.0  # two all-reduces per layer, latency-bound
+    tp_latency = 2 * shape.layers * 15e-6 if tp > 1 else 0.0  # two all-reduces per layer, ~15 us each (assumed)
     return EngineModel(
         overhead=dev.decode_step_overhead + tp_latency,
         weight_read=dev.dtype_bytes * shape.params / bw,

@@ -3,8 +3,8 @@
 Enumerated: the generator/learner split, vLLM tensor parallel size (1, 2, 4, 8; generators of tp > 1 run as vLLM
 servers), the learners' ZeRO stage (0 = DDP, 2, 3, 3 with offload: the configurations `launch/accelerate/` has; no
 ZeRO-1 config exists, and several nodes have only the ZeRO-3 one), the micro-batch (prompts per learner per
-micro-batch, dividing prompts per step) and `max_staleness` 0..4. A plan whose learner or generator memory exceeds a
-device is dropped. Generators sit on node 0 (the shared-memory weight transport needs the learners' host), so they
+micro-batch, dividing prompts per step) and `max_staleness` 0..4. A plan whose learner memory exceeds `FIT` of a
+device, or whose generator cannot hold one full-length sequence, is dropped. Generators sit on node 0 (the shared-memory weight transport needs the learners' host), so they
 get at most the GPUs of one node less node 0's learners; `any_node_generators` lifts that to predict what a
 cross-node transport would give (not runnable yet).
 
@@ -26,6 +26,7 @@ from async_rlhf.plan.model_shapes import ModelShape
 from async_rlhf.plan.simulator import SimConfig, simulate
 
 TIE = 0.03
+FIT = 0.95  # a learner plan must leave 5% of device memory free besides the cost model's headroom
 SIM_STEPS = 16
 
 
@@ -41,13 +42,14 @@ class Evaluated:
     generator_memory: float
     staleness_mean: float
     samples_per_step: int
+    devices: int                    # devices the run holds (whole nodes when it spans several, idle ones included)
 
     @property
     def samples_per_s(self) -> float:
         return self.samples_per_step / self.step_seconds
 
     def gpu_hours(self, steps: int) -> float:
-        return self.plan.gpus * self.step_seconds * steps / 3600
+        return self.devices * self.step_seconds * steps / 3600
 
 
 def learner_setups(shape, dev, w, learners: int, nodes: int):
@@ -63,7 +65,7 @@ def learner_setups(shape, dev, w, learners: int, nodes: int):
                 continue
             plan = cm.Plan(learners, 1, zero_stage=stage, offload=offload, micro_batch=mb, nodes=nodes)
             mem = cm.learner_memory(shape, dev, w, plan)["total"]
-            if mem <= dev.memory:
+            if mem <= FIT * dev.memory:
                 out.append((cm.train_seconds(shape, dev, w, plan), mem, stage, offload, mb))
     return sorted(out)
 
@@ -86,7 +88,7 @@ def splits(dev: DeviceProfile, gpus: int, nodes: int, any_node_generators: bool)
 
 
 def evaluate_split(shape: ModelShape, dev: DeviceProfile, w: cm.Workload, learners: int, generators: int, tp: int,
-                   nodes: int, staleness=range(5), seeds: int = 1) -> list[Evaluated]:
+                   nodes: int, staleness=range(5), seeds: int = 1, devices: int | None = None) -> list[Evaluated]:
     gen_mem = cm.generator_memory(shape, dev, w, tp)
     if gen_mem["max_running"] < 1:
         return []
@@ -112,7 +114,8 @@ def evaluate_split(shape: ModelShape, dev: DeviceProfile, w: cm.Workload, learne
                                    engine=engine, lengths=lengths, train_seconds=0.0, generators=generators,
                                    prompt_tokens=w.prompt_tokens)).total_seconds
         out.append(Evaluated(plan, times[0], max(times), train, publish, alone, mem, gen_mem["weights"] +
-                             gen_mem["kv_cache"], stale, w.samples))
+                             gen_mem["kv_cache"], stale, w.samples,
+                             devices or plan.gpus))
     return out
 
 
@@ -133,12 +136,12 @@ def search(shape: ModelShape, dev: DeviceProfile, w: cm.Workload, gpus: int, nod
         for learners, generators, tp in splits(dev, count, n_nodes, any_node_generators):
             if any(want is not None and want != got for want, got in zip(split, (learners, generators, tp))):
                 continue
-            out += evaluate_split(shape, dev, w, learners, generators, tp, n_nodes, seeds=seeds)
+            out += evaluate_split(shape, dev, w, learners, generators, tp, n_nodes, seeds=seeds, devices=count)
     return sorted(out, key=rank_key)
 
 
 def rank_key(e: Evaluated):
-    return (round(e.step_seconds, 6), e.plan.max_staleness, e.plan.gpus)
+    return (round(e.step_seconds, 6), e.plan.max_staleness, e.devices)
 
 
 def best(plans: list[Evaluated]) -> Evaluated | None:
@@ -147,7 +150,7 @@ def best(plans: list[Evaluated]) -> Evaluated | None:
         return None
     fastest = min(p.step_seconds for p in plans)
     near = [p for p in plans if p.step_seconds <= fastest * (1 + TIE)]
-    return min(near, key=lambda p: (p.plan.max_staleness, p.plan.gpus, p.step_seconds))
+    return min(near, key=lambda p: (p.plan.max_staleness, p.devices, p.step_seconds))
 
 
 def cost_aware(plans: list[Evaluated], steps: int, deadline_hours: float | None = None,

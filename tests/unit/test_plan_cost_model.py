@@ -60,7 +60,7 @@ def test_search_drops_plans_that_do_not_fit():
     for e in plans:
         assert e.learner_memory <= H100.memory and e.generator_memory <= H100.memory
         assert e.plan.zero_stage != 0  # 16 bytes x 8e9 parameters cannot sit on one learner
-        assert e.plan.gpus <= 8
+        assert e.plan.gpus <= 8 and e.devices == 8
     assert all(a.step_seconds <= b.step_seconds + 1e-6 for a, b in zip(plans, plans[1:]))  # ranked
     best = sr.best(plans)
     assert best.step_seconds <= min(e.step_seconds for e in plans) * (1 + sr.TIE)
