@@ -12,8 +12,8 @@ For each split the fastest fitting learner set-up (ZeRO stage, offload, micro-ba
 same generation and a slower step. Each (split, staleness) is then simulated (`simulator.py`, streaming, drain).
 The best plan is the fastest; between plans within `TIE` of each other the one with the smaller staleness (then
 fewer GPUs) wins: a larger staleness costs learning (the paper's ablations), so it must buy time to be chosen.
-Cost-aware (RLHFless): `deadline_hours` picks the plan of fewest GPU-hours whose slowest of three length draws ends
-the run in time; `budget_gpu_hours` the fastest within the budget; both try every GPU count up to `gpus`.
+Cost-aware (RLHFless): `deadline_hours` picks the plan of fewest GPU-hours (within `TIE`, the smallest staleness)
+whose slowest of three length draws ends the run in time; `budget_gpu_hours` the fastest within the budget; both try every GPU count up to `gpus`.
 """
 
 from __future__ import annotations
@@ -159,6 +159,10 @@ def cost_aware(plans: list[Evaluated], steps: int, deadline_hours: float | None 
     if deadline_hours is not None:
         ok = [p for p in plans if p.worst_step_seconds * steps / 3600 <= deadline_hours]
         ok = [p for p in ok if budget_gpu_hours is None or p.gpu_hours(steps) <= budget_gpu_hours]
-        return min(ok, key=lambda p: (p.gpu_hours(steps), p.plan.max_staleness)) if ok else None
+        if not ok:
+            return None
+        cheapest = min(p.gpu_hours(steps) for p in ok)  # within TIE of it, the smallest staleness
+        near = [p for p in ok if p.gpu_hours(steps) <= cheapest * (1 + TIE)]
+        return min(near, key=lambda p: (p.plan.max_staleness, p.gpu_hours(steps)))
     ok = [p for p in plans if p.gpu_hours(steps) <= budget_gpu_hours]
     return best(ok)
