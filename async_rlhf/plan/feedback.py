@@ -53,8 +53,12 @@ def inputs_from_summary(s: dict, prompts_per_step: int, n: int) -> SimConfig:
         sync_every=int(s.get("sync_every") or 1), mode=s.get("generation_mode", "stream"))
 
 
-def predict(cfg: SimConfig, seeds: int = 3) -> float:
+MAX_SIM_STEPS = 32  # a long run's step time is simulated over its first 32 steps (seconds, not minutes, at its end)
+
+
+def predict(cfg: SimConfig, seeds: int = 2) -> float:
     """Predicted training-loop seconds per step (mean over length draws)."""
+    cfg = dataclasses.replace(cfg, steps=min(cfg.steps, MAX_SIM_STEPS))
     return sum(simulate(dataclasses.replace(cfg, seed=k)).step_seconds for k in range(seeds)) / seeds
 
 
@@ -64,7 +68,8 @@ def advise(cfg: SimConfig, learners: int, devices_shared: bool) -> list[dict]:
     for s in range(0, 5):
         if s == cfg.max_staleness or cfg.sync_every > s + 1:
             continue
-        out.append({"change": f"max_staleness {s}", "step_seconds": predict(dataclasses.replace(cfg, max_staleness=s))})
+        out.append({"change": f"max_staleness {s}",
+                    "step_seconds": predict(dataclasses.replace(cfg, max_staleness=s), seeds=1)})
     if not devices_shared:  # moving a device from one side to the other
         for dl, dg in ((-1, 1), (1, -1)):
             L, G = learners + dl, cfg.generators + dg
@@ -72,7 +77,7 @@ def advise(cfg: SimConfig, learners: int, devices_shared: bool) -> list[dict]:
                 continue
             moved = dataclasses.replace(cfg, generators=G, train_seconds=cfg.train_seconds * learners / L,
                                         engine=dataclasses.replace(cfg.engine))
-            out.append({"change": f"{L} learner(s) + {G} generator(s)", "step_seconds": predict(moved)})
+            out.append({"change": f"{L} learner(s) + {G} generator(s)", "step_seconds": predict(moved, seeds=1)})
     return sorted(out, key=lambda r: r["step_seconds"])
 
 

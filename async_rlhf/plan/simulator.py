@@ -125,7 +125,8 @@ class _Generator:
     def __init__(self):
         self.inbox: collections.deque = collections.deque()
         self.version = 0
-        self.running: list[list] = []      # [tokens left, request]
+        self.running: list = []            # heap of (engine step at which it ends, id, request); batch mode: a marker
+        self.count = 0                     # engine steps taken so far (a sequence ends when count reaches its end)
         self.waiting: collections.deque = collections.deque()  # sequences admitted, no KV room yet
         self.busy_until = 0.0              # end of the current step / load / batch request
         self.token = 0                     # the current engine event's id (older events are stale)
@@ -270,7 +271,9 @@ class Simulator:
                 gen.waiting.extend([length, x] for length in x.lengths)
             gen.inbox.popleft()
         while gen.waiting and len(gen.running) < c.engine.max_running:
-            gen.running.append(gen.waiting.popleft())
+            length, req = gen.waiting.popleft()
+            self.seq += 1
+            heapq.heappush(gen.running, (gen.count + length, self.seq, req))
         if not gen.running:
             if load:
                 gen.busy += load
@@ -279,7 +282,7 @@ class Simulator:
             return
         r = len(gen.running)
         dur = c.engine.step(r)
-        k = min(s[0] for s in gen.running)
+        k = gen.running[0][0] - gen.count
         first = dur + gen.pending_prefill * c.engine.prefill_token
         gen.pending_prefill = 0
         gen.token += 1
@@ -308,18 +311,13 @@ class Simulator:
         gen = self.gens[g]
         k = gen.steps_planned
         gen.steps_planned = 0
-        still = []
-        for s in gen.running:
-            s[0] -= k
-            if s[0] > 0:
-                still.append(s)
-            else:
-                req = s[1]
-                req.left -= 1
-                if req.left == 0:
-                    self.in_flight[g] -= self.c.n * self.mean_len
-                    self._part_done(t, req)
-        gen.running = still
+        gen.count += k
+        while gen.running and gen.running[0][0] <= gen.count:
+            req = heapq.heappop(gen.running)[2]
+            req.left -= 1
+            if req.left == 0:
+                self.in_flight[g] -= self.c.n * self.mean_len
+                self._part_done(t, req)
         self._serve_stream(t, g)
 
     def _part_done(self, t: float, req: _Request) -> None:
