@@ -19,6 +19,7 @@ from async_rlhf.plan.simulator import EngineModel, SimConfig, simulate
 
 logger = logging.getLogger(__name__)
 MIN_GAIN = 0.10
+TIE = 0.03  # as the planner's (search.TIE): staleness must buy more than this to be suggested
 
 
 def inputs_from_summary(s: dict, prompts_per_step: int, n: int) -> SimConfig:
@@ -63,12 +64,12 @@ def predict(cfg: SimConfig, seeds: int = 2) -> float:
 
 
 def advise(cfg: SimConfig, learners: int, devices_shared: bool) -> list[dict]:
-    """Other staleness values and splits, predicted; fastest first."""
+    """Other staleness values and splits, predicted; fastest first (within TIE of it, the smallest staleness)."""
     out = []
     for s in range(0, 5):
         if s == cfg.max_staleness or cfg.sync_every > s + 1:
             continue
-        out.append({"change": f"max_staleness {s}",
+        out.append({"change": f"max_staleness {s}", "max_staleness": s,
                     "step_seconds": predict(dataclasses.replace(cfg, max_staleness=s), seeds=1)})
     if not devices_shared:  # moving a device from one side to the other
         for dl, dg in ((-1, 1), (1, -1)):
@@ -77,8 +78,12 @@ def advise(cfg: SimConfig, learners: int, devices_shared: bool) -> list[dict]:
                 continue
             moved = dataclasses.replace(cfg, generators=G, train_seconds=cfg.train_seconds * learners / L,
                                         engine=dataclasses.replace(cfg.engine))
-            out.append({"change": f"{L} learner(s) + {G} generator(s)", "step_seconds": predict(moved, seeds=1)})
-    return sorted(out, key=lambda r: r["step_seconds"])
+            out.append({"change": f"{L} learner(s) + {G} generator(s)", "max_staleness": cfg.max_staleness,
+                        "step_seconds": predict(moved, seeds=1)})
+    if not out:
+        return out
+    fastest = min(r["step_seconds"] for r in out)  # within TIE of the fastest, the smallest staleness comes first
+    return sorted(out, key=lambda r: (r["step_seconds"] > fastest * (1 + TIE), r["max_staleness"], r["step_seconds"]))
 
 
 def feedback(summary: dict, args, learners: int) -> dict:
