@@ -67,7 +67,7 @@ def learner_setups(shape, dev, w, learners: int, nodes: int):
             mem = cm.learner_memory(shape, dev, w, plan)["total"]
             if mem <= FIT * dev.memory:
                 out.append((cm.train_seconds(shape, dev, w, plan), mem, stage, offload, mb))
-    return sorted(out)
+    return sorted(out, key=lambda o: (round(o[0], 9), -o[4], o[1]))  # equal times: fewer, larger micro-batches
 
 
 def splits(dev: DeviceProfile, gpus: int, nodes: int, any_node_generators: bool):
