@@ -25,7 +25,11 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# this file's name shadows the standard library's `profile` (which cProfile, imported by vLLM, needs): take its
+# directory off the import path, and put the repository root on it
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
+sys.path.insert(0, os.path.dirname(HERE))
 
 
 def _median(fn, repeats: int) -> float:
