@@ -10,7 +10,8 @@ step, sync and load per sync, sampling cost per token over the run's completion 
 batch) and compares its predicted step time with the measured one (training loop seconds / steps). The "overlap
 formula" column is the README's rule of thumb (S = 0: generation + training; S >= 1: the larger of the two, with
 generation taken as the measured dispatch-to-queued latency) for comparison. Each row records the 1-minute load
-average before its run. `--table_only` rebuilds the table from `validation.jsonl` in `--output_dir`.
+average before its run, and a run in which a generator was restarted says so (the simulator does not model
+restarts). `--table_only` rebuilds the table from `validation.jsonl` in `--output_dir`.
 On a shared machine, run it under the benchmark lock: `flock /tmp/async_rlhf_bench.lock python ...`.
 """
 
@@ -68,7 +69,7 @@ def row(name: str, load: float, s: dict) -> dict:
     return {"config": name, "load_1min": load, "measured": measured, "predicted": predicted,
             "error": predicted / measured - 1, "formula": overlap_formula(s), "train": cfg.train_seconds,
             "gen_busy": s["generator_busy_seconds"] / s["steps"], "handoff": cfg.handoff_seconds,
-            "transit": cfg.dispatch_seconds, "score": cfg.score_seconds}
+            "transit": cfg.dispatch_seconds, "score": cfg.score_seconds, "restarts": s.get("generator_restarts", 0)}
 
 
 def table(rows: list[dict]) -> str:
@@ -76,7 +77,8 @@ def table(rows: list[dict]) -> str:
              "inputs: train s/step, sampling s/batch (all generators), scoring s/part, hand-off s, transit s |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        lines.append(f"| {r['config']} | {r['load_1min']:.2f} | {r['measured']:.3f} | {r['predicted']:.3f} | "
+        name = r["config"] + (f" ({r['restarts']} generator restart)" if r.get("restarts") else "")
+        lines.append(f"| {name} | {r['load_1min']:.2f} | {r['measured']:.3f} | {r['predicted']:.3f} | "
                      f"{r['error']:+.1%} | {r['formula']:.3f} ({r['formula'] / r['measured'] - 1:+.0%}) | "
                      f"{r['train']:.3f}, {r['gen_busy']:.3f}, {r['score']:.4f}, {r['handoff']:.3f}, {r['transit']:.3f} |")
     errors = [abs(r["error"]) for r in rows]
