@@ -184,7 +184,7 @@ def sync_seconds(shape: ModelShape, dev: DeviceProfile, plan: Plan) -> tuple[flo
     """(learner seconds per sync, generator seconds per load) for the shared-memory transport."""
     size = dev.dtype_bytes * shape.params
     if dev.sync_seconds_per_gb is not None:
-        return size / GB * dev.sync_seconds_per_gb, size / GB * dev.sync_seconds_per_gb
+        return size / GB * dev.sync_seconds_per_gb, size / GB * (dev.load_seconds_per_gb or dev.sync_seconds_per_gb)
     gather = size / _learner_link(dev, plan) if plan.zero_stage == 3 and plan.learners > 1 else 0.0
     to_host = size / dev.host_bandwidth if dev.kind == "gpu" else 0.0
     publish = gather + to_host + size / dev.shm_bandwidth

@@ -3,8 +3,8 @@
 The GPU profiles below are **analytical**: vendor datasheet peaks (dense bf16 tensor FLOP/s, HBM bandwidth, memory,
 NVLink / PCIe bandwidth per direction, a 400 Gb/s (H100, H200) or 200 Gb/s (A100, L40S) network port per GPU)
 times efficiencies that are assumptions, not measurements (training MFU 0.40, decode at 0.6 of HBM bandwidth,
-collectives at 0.7 of link bandwidth). The `cpu` profile was measured on the 2-core AMD EPYC machine this project
-is developed on (`benchmarks/profile.py`, numbers in docs/planning.md). `python benchmarks/profile.py --model PATH
+collectives at 0.7 of link bandwidth). The `cpu` profile holds what was measured on the 2-core AMD EPYC machine
+this project is developed on, for the built-in task's policy (docs/planning.md). `python benchmarks/profile.py --model PATH
 --output profile.json` measures the machine at hand; `--profile profile.json` makes the planner use it
 (`load_profile`), and whatever it measured replaces the analytical value.
 """
@@ -42,7 +42,8 @@ class DeviceProfile:
     engine_prefill_token: float | None = None
     engine_model_params: float | None = None
     learner_tokens_per_s: float | None = None  # measured forward+backward tokens/s per device (that model)
-    sync_seconds_per_gb: float | None = None
+    sync_seconds_per_gb: float | None = None       # measured: learner side (gather + publish), per GB of weights
+    load_seconds_per_gb: float | None = None       # measured: a generator loading them
     kind: str = "gpu"
 
 
@@ -56,12 +57,17 @@ PROFILES = {
     "H200": _gpu("H200 SXM 141GB", 989e12, 4.8e12, 141, 450, 50, 50),
     "A100": _gpu("A100 SXM 80GB", 312e12, 2.039e12, 80, 300, 25, 25),
     "L40S": _gpu("L40S 48GB", 362e12, 0.864e12, 48, 25, 25, 25),
-    # measured with benchmarks/profile.py on the built-in task's policy (1.2M parameters), 1 thread per process
+    # measured: the stage times of the S = 0, 1 learner + 1 generator run of benchmarks/simulator_validation.py
+    # (evals/results/simulator_validation, built-in task policy of 1.2M parameters, one thread per process, fp32);
+    # the analytical fields are placeholders that the measured ones override for the model it measured
     "cpu": DeviceProfile(
-        "CPU, 2-core AMD EPYC (one core per process)", "measured (benchmarks/profile.py, built-in task policy)",
+        "CPU, 2-core AMD EPYC (one core per process)",
+        "measured (stage times of a built-in task run, evals/results/simulator_validation)",
         peak_flops=2.0e10, mem_bandwidth=10 * GB, memory=12 * GB, link_bandwidth=2 * GB, network_bandwidth=1 * GB,
         host_bandwidth=10 * GB, gpus_per_node=2, dtype_bytes=4, train_mfu=1.0, prefill_efficiency=1.0,
-        decode_bw_efficiency=1.0, comm_efficiency=1.0, decode_step_overhead=5e-3, kind="cpu"),
+        decode_bw_efficiency=1.0, comm_efficiency=1.0, decode_step_overhead=0.0, engine_overhead=0.0,
+        engine_per_seq=8.0e-4, engine_prefill_token=0.0, engine_model_params=1.215e6, learner_tokens_per_s=6850.0,
+        sync_seconds_per_gb=1.8, load_seconds_per_gb=5.2, kind="cpu"),
 }
 ALIASES = {"H100_SXM": "H100", "H100-SXM": "H100", "A100_80GB": "A100", "A100-80GB": "A100", "CPU": "cpu"}
 
@@ -94,7 +100,9 @@ def load_profile(path: str, base: DeviceProfile | None = None) -> DeviceProfile:
                        engine_model_params=data.get("model", {}).get("params"))
     if "tokens_per_s" in learn:
         updates["learner_tokens_per_s"] = learn["tokens_per_s"]
-    if sync:
-        updates["sync_seconds_per_gb"] = min(v["seconds_per_gb"] for v in sync.values())
+    if sync:  # the fastest transport measured
+        best = min(sync.values(), key=lambda v: v["seconds_per_gb"])
+        updates["sync_seconds_per_gb"] = best.get("publish_seconds_per_gb", best["seconds_per_gb"])
+        updates["load_seconds_per_gb"] = best.get("load_seconds_per_gb", best["seconds_per_gb"])
     updates["source"] = f"measured ({path}: {data.get('machine', 'unknown machine')})"
     return dataclasses.replace(base, **updates)
