@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
         "machine": f"{platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
                    f"{args.threads} thread(s) per process, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "model": {"path": args.model, "params": shape.params},
-        "device": {"kind": "cpu", "dtype_bytes": 4, "name": f"CPU ({os.cpu_count()} cores), measured"},
+        "device": {"kind": "cpu", "dtype_bytes": 4, "name": f"CPU ({os.cpu_count()} cores)"},
         "generation": generation, "learner": learner, "weight_sync": sync, "memory": memory,
         "seconds": time.perf_counter() - t0,
     }
