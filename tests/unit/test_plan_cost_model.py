@@ -93,3 +93,24 @@ def test_model_shapes_from_config_and_size(tmp_path):
     assert shape.params == 2 * 592 + 80 + 8
     with pytest.raises(ValueError, match="neither a config.json"):
         shape_from_config(str(tmp_path / "missing"))
+
+
+def test_a_measured_profile_replaces_what_it_measured(tmp_path):
+    from async_rlhf.plan.hardware import load_profile
+
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({  # the shape benchmarks/profile.py writes
+        "machine": "test box", "model": {"params": 1.2e6}, "device": {"kind": "cpu", "name": "CPU (2 cores)"},
+        "generation": {"fit": {"overhead_s": 0.002, "per_seq_s": 0.0003}, "prefill_token_s": 4e-5},
+        "learner": {"tokens_per_s": 8000.0},
+        "weight_sync": {"shm": {"seconds_per_gb": 6.0, "publish_seconds_per_gb": 0.8, "load_seconds_per_gb": 5.2}}}))
+    dev = load_profile(str(path))
+    assert (dev.engine_overhead, dev.engine_per_seq, dev.learner_tokens_per_s) == (0.002, 0.0003, 8000.0)
+    assert (dev.sync_seconds_per_gb, dev.load_seconds_per_gb) == (0.8, 5.2)
+    assert "measured" in dev.source and "test box" in dev.source
+    shape = ModelShape("same", 4, 128, 4, 4, 512, 646, params_override=1.2e6)
+    engine = cm.engine_model(shape, dev, cm.Workload(prompt_tokens=26, response_mean=5, response_max=24), tp=1)
+    assert engine.step(64) == pytest.approx(0.002 + 64 * 0.0003)  # the measured fit, for the model it measured
+    path.write_text(json.dumps({"device": {"flops": 1.0}}))
+    with pytest.raises(ValueError, match="flops"):
+        load_profile(str(path))
