@@ -97,6 +97,11 @@ class RolloutPipeline:
         self._owners: dict[tuple[int, int], list] = {}  # (batch, part) -> [(generator, expected tokens)] per send
         self._load_lock = threading.Lock()  # the three above: dispatch (main thread) and the reader thread
         self.imbalance_sums = [0.0, 0.0, 0]  # max/mean tokens per generator: as assigned, as count chunks; batches
+        # per-batch stage timing for the planner (`plan/feedback.py`): dispatch and last part's arrival on rank 0
+        self._dispatched_at: dict[int, float] = {}
+        self._arrived_at: dict[int, float] = {}
+        self.length_counts: collections.Counter = collections.Counter()  # completion tokens: samples (reader thread)
+        self.latency = [0.0, 0.0, 0]  # summed dispatch -> queued and last part arrived -> queued seconds; batches
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     def start(self, initial_version: int = 0, pending: list[RolloutBatch] = (), counters: dict | None = None) -> None:
@@ -250,6 +255,7 @@ class RolloutPipeline:
         contiguous chunk of equal prompt count per generator."""
         ids = self.stream.prompts_for_step(batch_id)
         g = self.pool.num_generators
+        self._dispatched_at.setdefault(batch_id, time.perf_counter())
         if self.args.streaming:
             bounds = list(range(len(ids) + 1))
             owners = [(batch_id + i) % g for i in range(len(ids))]
@@ -291,6 +297,8 @@ class RolloutPipeline:
                 self._in_flight_tokens[owner] -= expected
             for prompt_id, group in zip(part.prompt_ids, part.completions):
                 self.lengths.observe(prompt_id, [len(c.token_ids) for c in group])
+                self.length_counts.update(len(c.token_ids) for c in group)
+            self._arrived_at[part.batch_id] = time.perf_counter()
         if self.scoring is not None:
             self.scoring.submit(part)  # scored on its thread, which then assembles it
         else:
@@ -303,6 +311,10 @@ class RolloutPipeline:
         if len(parts) < part.num_chunks:
             return False
         del self._partial[part.batch_id]
+        now, sent, arrived = time.perf_counter(), self._dispatched_at.pop(part.batch_id, None), self._arrived_at.pop(
+            part.batch_id, None)
+        if sent is not None and arrived is not None:
+            self.latency = [self.latency[0] + now - sent, self.latency[1] + now - arrived, self.latency[2] + 1]
         ordered = [parts[c] for c in range(part.num_chunks)]
         if part.num_chunks > 1 and self.pool_size > 1:
             tokens = [sum(len(c.token_ids) for c in group) for p in ordered for group in p.completions]

@@ -2,10 +2,13 @@
 
 Built on rank 0 from the pipeline's counters (time generating, training, waiting, syncing; the staleness histogram
 of trained batches; drops, regenerations, restarts) and the last logged learner metrics. Sweeps and benchmarks
-read the JSON; a person reads the printed block.
+read the JSON; a person reads the printed block. Its last line compares the measured step time with the simulator's
+prediction from the run's own stage times and names a predicted-faster configuration if any (`plan/feedback.py`).
 """
 
 from __future__ import annotations
+
+from async_rlhf.plan.feedback import feedback, format_feedback
 
 FINAL_METRICS = ("objective/scores", "objective/kl", "objective/rlhf_reward", "loss")
 
@@ -14,7 +17,7 @@ def build_summary(pipeline, args, accelerator, steps: int, wall: float, loop_sec
                   rewards_skipped: int, last_metrics: dict[str, float]) -> dict:
     p = pipeline
     stats = p.stats()
-    return {
+    summary = {
         "steps": steps,
         "prompts": steps * args.prompts_per_step,
         "samples": steps * args.prompts_per_step * args.num_generations,
@@ -31,6 +34,13 @@ def build_summary(pipeline, args, accelerator, steps: int, wall: float, loop_sec
         "generator_versions": p.loaded_versions,
         "generation_mode": "stream" if args.streaming else "batch",
         "generator_busy_seconds": p.busy_seconds,  # as of each generator's last weight acknowledgement
+        "generated_tokens": p.gen_tokens,
+        "rollout_latency_seconds": p.latency[0],  # summed over batches: dispatch -> complete batch queued
+        "handoff_seconds": p.latency[1],  # summed over batches: last part received on rank 0 -> batch queued
+        "timed_batches": p.latency[2],
+        "syncs": p.syncs,
+        "scoring_seconds": stats.get("scoring/seconds", 0.0),  # rank 0's scoring thread (score_while_generating)
+        "completion_length_counts": {int(k): v for k, v in sorted(p.length_counts.items())},
         "generator_imbalance": {k.split("/")[1]: v for k, v in stats.items() if k.startswith("generator/imbalance")},
         "staleness_histogram": {int(k): v for k, v in sorted(p.queue.staleness_counts.items())},
         "dropped": p.queue.dropped,
@@ -44,6 +54,9 @@ def build_summary(pipeline, args, accelerator, steps: int, wall: float, loop_sec
                      "zero_stage": getattr(accelerator.state.deepspeed_plugin, "zero_stage", None)},
         "final": {k: v for k, v in last_metrics.items() if k in FINAL_METRICS},
     }
+    # the simulator fed with this run's stage times: its predicted step time, and a faster set-up if it finds one
+    summary["plan"] = feedback(summary, args, accelerator.num_processes)
+    return summary
 
 
 def format_summary(s: dict) -> str:
@@ -59,4 +72,4 @@ def format_summary(s: dict) -> str:
         f"staleness histogram (steps behind: batches) {{{hist}}} | bound {s['max_staleness']} | dropped "
         f"{s['dropped']} | regenerated {s['regenerated']} | rewards skipped {s['rewards_skipped']}",
         f"final: {final}",
-    ])
+    ] + ([format_feedback(s["plan"])] if s.get("plan") else []))

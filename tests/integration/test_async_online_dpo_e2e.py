@@ -87,3 +87,12 @@ def test_reward_goes_up_on_a_learnable_reward(runs, staleness):
     first_loss = sum(m["loss"] for m in steps[:3]) / 3
     last_loss = sum(m["loss"] for m in steps[-3:]) / 3
     assert last_loss < first_loss, (first_loss, last_loss)
+
+
+@pytest.mark.parametrize("staleness", [0, 2])
+def test_summary_compares_the_step_time_with_the_simulator(runs, staleness):
+    summary, _, log, _ = runs[staleness]
+    plan = summary["plan"]  # plan/feedback.py: the simulator fed with this run's own stage times
+    assert plan["measured_step_seconds"] == pytest.approx(summary["loop_seconds"] / summary["steps"])
+    assert plan["predicted_step_seconds"] > 0
+    assert "plan: step" in log

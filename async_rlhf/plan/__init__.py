@@ -1,0 +1,11 @@
+"""Planning: which split, ZeRO stage, tensor parallel size and `max_staleness` to run, predicted before running.
+
+`model_shapes.py` (a model's shape from its config or size), `hardware.py` (device profiles, analytical or
+measured), `cost_model.py` (seconds per stage and bytes per device), `simulator.py` (a discrete-event simulation of
+our pipeline), `search.py` (every plan, ranked), `commands.py` (the command that runs a plan), `feedback.py` (the
+end-of-run comparison in `run_summary.py`), `cli.py` (`python -m async_rlhf.plan`). docs/planning.md.
+"""
+
+from async_rlhf.plan.cli import main
+
+__all__ = ["main"]

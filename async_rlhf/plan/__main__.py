@@ -1,0 +1,7 @@
+"""`python -m async_rlhf.plan ...`: see `cli.py`."""
+
+import sys
+
+from async_rlhf.plan.cli import main
+
+sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,70 @@
+"""The exact command that runs a plan, with our recipes' flags and our launch configs.
+
+Learners take `cuda:0..k-1` of every node; generators the next devices of node 0. Generators of tensor parallel size
+1 are our local generator processes (`--generator_devices`); larger ones are vLLM servers started first (one per
+generator, `python -m async_rlhf.generation.serve ... --tensor-parallel-size tp` on its devices), reached with
+`--generator_servers`. `HUB` stands for `--task hub --model_name_or_path <policy> --dataset_name <prompts>
+--reward_model_path <reward model>`, as in the README.
+"""
+
+from __future__ import annotations
+
+from async_rlhf.plan.cost_model import GPU_MEMORY_UTILIZATION, Plan, Workload
+
+GPU_CONFIGS = {(0, False): "gpu_ddp.yaml", (2, False): "gpu_deepspeed_zero2.yaml", (3, False): "gpu_deepspeed_zero3.yaml",
+               (3, True): "gpu_deepspeed_zero3_offload.yaml"}
+CPU_CONFIGS = {0: "cpu_2proc_gloo.yaml", 2: "cpu_deepspeed_zero2.yaml", 3: "cpu_deepspeed_zero3.yaml"}
+
+
+def recipe_flags(plan: Plan, w: Workload, cpu: bool) -> str:
+    flags = [f"--per_device_train_batch_size {plan.micro_batch}",
+             f"--gradient_accumulation_steps {plan.grad_accum(w)}", f"--num_generations {w.n}",
+             f"--max_staleness {plan.max_staleness}"]
+    if not cpu:
+        flags += [f"--max_new_tokens {w.response_max}", f"--max_length {w.prompt_tokens + w.response_max}",
+                  f"--vllm_gpu_memory_utilization {GPU_MEMORY_UTILIZATION}", "--gradient_checkpointing true",
+                  "--bf16 true"]
+    return " ".join(flags)
+
+
+def launch_command(plan: Plan, w: Workload, cpu: bool = False, recipe: str = "recipes/online_dpo.py",
+                   output_dir: str = "outputs/plan") -> str:
+    """The command line(s) that run `plan` (servers first when tp > 1)."""
+    flags = recipe_flags(plan, w, cpu)
+    if cpu:
+        gens = " ".join(["cpu"] * plan.generators)
+        tail = f"{recipe} {flags} --generator_devices {gens} --output_dir {output_dir}"
+        if plan.learners == 1:
+            return f"python {tail}"
+        config = CPU_CONFIGS[plan.zero_stage]
+        return f"accelerate launch --config_file launch/accelerate/{config} --num_processes {plan.learners} {tail}"
+    per_node = plan.learners // plan.nodes
+    first = per_node
+    if plan.learners == 1:
+        launcher = "accelerate launch --config_file launch/accelerate/gpu_1learner.yaml"
+    elif plan.nodes > 1:
+        launcher = (f"accelerate launch --config_file launch/accelerate/multi_node_zero3.yaml --num_processes "
+                    f"{plan.learners} --num_machines {plan.nodes} --machine_rank 0 --main_process_ip <node 0 address>")
+    else:
+        launcher = (f"accelerate launch --config_file launch/accelerate/{GPU_CONFIGS[(plan.zero_stage, plan.offload)]} "
+                    f"--num_processes {plan.learners}")
+    if plan.tp == 1:
+        devices = ",".join(f"cuda:{first + i}" for i in range(plan.generators))
+        return f"{launcher} {recipe} HUB {flags} --generator_devices {devices} --output_dir {output_dir}"
+    servers, addresses = [], []
+    for i in range(plan.generators):
+        devs = ",".join(str(first + i * plan.tp + j) for j in range(plan.tp))
+        port = 8760 + i
+        servers.append(f"CUDA_VISIBLE_DEVICES={devs} python -m async_rlhf.generation.serve --model <policy> "
+                       f"--port {port} --tensor-parallel-size {plan.tp} &")
+        addresses.append(f"127.0.0.1:{port}")
+    return ("export ASYNC_RLHF_GENERATOR_TOKEN=<secret>\n" + "\n".join(servers) + "\n"
+            f"{launcher} {recipe} HUB {flags} --generator_servers {' '.join(addresses)} --output_dir {output_dir}")
+
+
+def describe(plan: Plan) -> str:
+    zero = "DDP" if plan.zero_stage == 0 else f"ZeRO-{plan.zero_stage}" + ("+offload" if plan.offload else "")
+    if plan.learners == 1:
+        zero = "1 learner"
+    gen = f"{plan.generators}x tp{plan.tp}" if plan.tp > 1 else f"{plan.generators}"
+    return f"{plan.learners}L/{gen}G {zero} mb{plan.micro_batch} S{plan.max_staleness}"

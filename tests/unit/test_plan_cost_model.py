@@ -1,0 +1,116 @@
+"""The planner's cost model on hand-computed cases, and the search dropping what does not fit (`async_rlhf/plan/`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from async_rlhf.plan import cost_model as cm
+from async_rlhf.plan import search as sr
+from async_rlhf.plan.hardware import get_profile
+from async_rlhf.plan.model_shapes import ModelShape, shape_for_size, shape_from_config
+
+H100 = get_profile("H100")
+SEVEN_B = ModelShape("7B-exact", 32, 4096, 32, 32, 11008, 32000, params_override=7e9)
+
+
+def test_7b_zero3_on_8_gpus_model_states():
+    # ZeRO-3, 8 learners, bf16 + Adam: (2 + 2 + 12) bytes x 7e9 / 8 = 14e9 bytes per GPU
+    mem = cm.learner_memory(SEVEN_B, H100, cm.Workload(), cm.Plan(learners=8, generators=1, zero_stage=3))
+    assert mem["weights"] == pytest.approx(2 * 7e9 / 8)       # 1.75e9
+    assert mem["gradients"] == pytest.approx(2 * 7e9 / 8)     # 1.75e9
+    assert mem["optimizer"] == pytest.approx(12 * 7e9 / 8)    # 10.5e9
+    assert mem["weights"] + mem["gradients"] + mem["optimizer"] == pytest.approx(14e9)
+    # ZeRO-2 keeps the bf16 weights whole: 2 x 7e9 + 14 x 7e9 / 8 = 14e9 + 12.25e9
+    z2 = cm.learner_memory(SEVEN_B, H100, cm.Workload(), cm.Plan(learners=8, generators=1, zero_stage=2))
+    assert z2["weights"] + z2["gradients"] + z2["optimizer"] == pytest.approx(26.25e9)
+    # DDP holds all 16 bytes per parameter: 112e9, more than an 80 GB H100 before any activation
+    z0 = cm.learner_memory(SEVEN_B, H100, cm.Workload(), cm.Plan(learners=8, generators=1, zero_stage=0))
+    assert z0["total"] > H100.memory
+
+
+def test_decode_is_bandwidth_bound():
+    shape = shape_for_size("8B")
+    w = cm.Workload(prompt_tokens=256, response_mean=256)
+    engine = cm.engine_model(shape, H100, w, tp=1)
+    # reading 2 bytes x 8.03e9 parameters at 0.6 x 3.35e12 B/s: 7.99 ms per step, whatever the batch
+    assert engine.weight_read == pytest.approx(2 * shape.params / (3.35e12 * 0.6))
+    assert engine.weight_read == pytest.approx(7.99e-3, rel=1e-3)
+    # one sequence: the weight read dominates its arithmetic (2P FLOPs at half of 989 TFLOP/s: 32 us)
+    assert engine.compute_per_seq < engine.weight_read / 100
+    assert engine.step(1) == pytest.approx(H100.decode_step_overhead + engine.weight_read + engine.kv_per_seq)
+    # the same GPU with more bandwidth (H200) decodes a step faster in proportion
+    h200 = cm.engine_model(shape, get_profile("H200"), w, tp=1)
+    assert h200.weight_read / engine.weight_read == pytest.approx(3.35 / 4.8)
+    # tensor parallel size 2 halves each device's share of the weights
+    assert cm.engine_model(shape, H100, w, tp=2).weight_read == pytest.approx(engine.weight_read / 2)
+
+
+def test_generator_memory_needs_room_for_a_sequence():
+    seventy = shape_for_size("70B")
+    assert cm.generator_memory(seventy, H100, cm.Workload(), tp=1)["max_running"] == 0  # 141 GB of weights
+    assert cm.generator_memory(seventy, H100, cm.Workload(), tp=4)["max_running"] >= 1
+
+
+def test_search_drops_plans_that_do_not_fit():
+    assert sr.search(shape_for_size("70B"), H100, cm.Workload(), gpus=2) == []
+    plans = sr.search(shape_for_size("8B"), H100, cm.Workload(), gpus=8)
+    assert plans
+    for e in plans:
+        assert e.learner_memory <= H100.memory and e.generator_memory <= H100.memory
+        assert e.plan.zero_stage != 0  # 16 bytes x 8e9 parameters cannot sit on one learner
+        assert e.plan.gpus <= 8 and e.devices == 8
+    assert all(a.step_seconds <= b.step_seconds + 1e-6 for a, b in zip(plans, plans[1:]))  # ranked
+    best = sr.best(plans)
+    assert best.step_seconds <= min(e.step_seconds for e in plans) * (1 + sr.TIE)
+
+
+def test_cost_aware_selection_respects_deadline_and_budget():
+    shape, w = shape_for_size("1B"), cm.Workload(prompts_per_step=16, response_mean=128, response_max=256)
+    plans = sr.search(shape, get_profile("A100"), w, gpus=4, gpu_counts=[2, 3, 4], seeds=2)
+    fastest = min(e.worst_step_seconds for e in plans)
+    loose = sr.cost_aware(plans, 1000, deadline_hours=10 * fastest * 1000 / 3600)
+    assert loose is not None and loose.gpu_hours(1000) == min(e.gpu_hours(1000) for e in plans
+                                                               if e.worst_step_seconds <= 10 * fastest)
+    assert sr.cost_aware(plans, 1000, deadline_hours=0.5 * fastest * 1000 / 3600) is None
+    cheapest = min(e.gpu_hours(1000) for e in plans)
+    within = sr.cost_aware(plans, 1000, budget_gpu_hours=cheapest * 1.0001)
+    assert within is not None and within.gpu_hours(1000) <= cheapest * 1.0001
+
+
+def test_model_shapes_from_config_and_size(tmp_path):
+    assert shape_for_size("8B").params == pytest.approx(8.03e9, rel=1e-3)
+    assert shape_for_size("70B").params == pytest.approx(70.55e9, rel=1e-3)
+    assert shape_for_size("2.5B").params == 2.5e9
+    with pytest.raises(ValueError, match="model_size"):
+        shape_for_size("eight")
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"num_hidden_layers": 2, "hidden_size": 8, "num_attention_heads": 2, "num_key_value_heads": 1,
+         "intermediate_size": 16, "vocab_size": 10, "tie_word_embeddings": True}))
+    shape = shape_from_config(str(tmp_path))
+    # per layer: q 64 + k,v 2*8*4 + o 64 + MLP 3*8*16 + norms 16 = 592; embeddings 80 (tied); final norm 8
+    assert shape.params == 2 * 592 + 80 + 8
+    with pytest.raises(ValueError, match="neither a config.json"):
+        shape_from_config(str(tmp_path / "missing"))
+
+
+def test_a_measured_profile_replaces_what_it_measured(tmp_path):
+    from async_rlhf.plan.hardware import load_profile
+
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({  # the shape benchmarks/profile.py writes
+        "machine": "test box", "model": {"params": 1.2e6}, "device": {"kind": "cpu", "name": "CPU (2 cores)"},
+        "generation": {"fit": {"overhead_s": 0.002, "per_seq_s": 0.0003}, "prefill_token_s": 4e-5},
+        "learner": {"tokens_per_s": 8000.0},
+        "weight_sync": {"shm": {"seconds_per_gb": 6.0, "publish_seconds_per_gb": 0.8, "load_seconds_per_gb": 5.2}}}))
+    dev = load_profile(str(path))
+    assert (dev.engine_overhead, dev.engine_per_seq, dev.learner_tokens_per_s) == (0.002, 0.0003, 8000.0)
+    assert (dev.sync_seconds_per_gb, dev.load_seconds_per_gb) == (0.8, 5.2)
+    assert "measured" in dev.source and "test box" in dev.source
+    shape = ModelShape("same", 4, 128, 4, 4, 512, 646, params_override=1.2e6)
+    engine = cm.engine_model(shape, dev, cm.Workload(prompt_tokens=26, response_mean=5, response_max=24), tp=1)
+    assert engine.step(64) == pytest.approx(0.002 + 64 * 0.0003)  # the measured fit, for the model it measured
+    path.write_text(json.dumps({"device": {"flops": 1.0}}))
+    with pytest.raises(ValueError, match="flops"):
+        load_profile(str(path))
