@@ -77,7 +77,9 @@ def wrap_policy(model: torch.nn.Module, peft_config, args) -> torch.nn.Module:
     if peft_config is not None:
         from peft import get_peft_model
 
-        model = get_peft_model(model, peft_config)
+        with torch.random.fork_rng(devices=[]):  # adapters initialised from `seed`: a run is reproducible
+            torch.manual_seed(args.seed)
+            model = get_peft_model(model, peft_config)
     from peft import LoraConfig
 
     for name, config in model.peft_config.items():
