@@ -15,18 +15,17 @@ LoRA under ZeRO-3, see `peft_policy.check_peft_config`).
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 
 import torch
 
 
 def is_peft_model(model) -> bool:
-    """True when `model` (already unwrapped) is a `peft.PeftModel`; False when peft is not installed."""
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
-    return isinstance(model, PeftModel)
+    """True when `model` (already unwrapped) is a `peft.PeftModel`. Never imports peft itself: a model can only be a
+    PeftModel once peft has been imported (runs without LoRA do not pay for the import at every sync)."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
 
 
 def _base_names(model) -> "OrderedDict[str, str | None]":
