@@ -69,15 +69,19 @@ def merged_state(model) -> "OrderedDict[str, torch.Tensor]":
         if not isinstance(module, BaseTunerLayer) or module.merged:
             continue
         layer = module.get_base_layer()
-        originals = {n: p.detach().clone() for n, p in layer.named_parameters(recurse=False)}
+        storages = {n: p.data for n, p in layer.named_parameters(recurse=False)}  # merges add in place; DoRA's swaps
+        originals = {n: t.clone() for n, t in storages.items()}
         try:
             module.merge(adapter_names=list(module.active_adapters))
             for n, p in layer.named_parameters(recurse=False):
                 merged[f"{path}.base_layer.{n}"] = p.detach().to("cpu", copy=True)
-        finally:
+        finally:  # the same tensors, with the same values, as before: optimizers and DeepSpeed keep their references
             for n, p in layer.named_parameters(recurse=False):
-                p.data.copy_(originals[n])
+                p.data = storages[n]
+                storages[n].copy_(originals[n])
             module.merged_adapters.clear()
+            for adapter in module.active_adapters:  # DoRA caches the weight norm for an unmerge that never comes
+                getattr(module, "_caches", {}).pop(f"{adapter}-weight_norm", None)
     out: OrderedDict[str, torch.Tensor] = OrderedDict()
     state = base.state_dict()
     for key, name in _base_names(model).items():

@@ -3,8 +3,8 @@ one process, and under DeepSpeed ZeRO-2 (2 gloo ranks, `accelerate launch`) stop
 Each runs on-policy (max_staleness 0), so the generator's log-prob of every sampled token must equal the learner's:
 vLLM computes with the merged LoRA policy after every sync (and, resumed, from the checkpoint's adapter).
 
-Wall times under pytest on the shared 2-core machine (load average about 3): vLLM recipe 35 s, ZeRO-2 run + resume
-about 200 s (DeepSpeed's CPU ops already compiled). Slow: the default tier checks the same guarantees with the
+Wall times under pytest on the shared 2-core machine (load average 3 to 8 from other jobs): vLLM recipe 73 s, ZeRO-2
+run + resume 150 s (DeepSpeed's CPU ops already compiled). Slow: the default tier checks the same guarantees with the
 transformers generator backend (test_lora_learners.py).
 """
 

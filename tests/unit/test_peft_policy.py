@@ -71,6 +71,16 @@ def test_merged_weights_have_the_base_names_and_give_the_lora_policys_logits(tin
     assert not torch.allclose(learner_logits, _logits(plain), atol=1e-3)  # the adapters do change the model
 
 
+def test_dora_layers_merge_like_peft_and_are_restored(tiny_model_dir):
+    policy = _lora_policy(tiny_model_dir, use_dora=True)
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    state = base_state_dict(policy)
+    assert all(torch.equal(before[k], v) for k, v in policy.state_dict().items())
+    reference = copy.deepcopy(policy).merge_and_unload().state_dict()
+    assert list(state) == list(reference)
+    assert all(torch.allclose(state[k], reference[k], atol=1e-6) for k in reference)
+
+
 def test_modules_to_save_are_sent_under_the_wrapped_modules_name(tiny_model_dir):
     policy = _lora_policy(tiny_model_dir, modules_to_save=["lm_head"])
     with torch.no_grad():
