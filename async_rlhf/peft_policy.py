@@ -8,7 +8,8 @@
   `logprobs.sequence_terms` then runs the policy inside `adapters_off` for the reference's log-probs.
 - **The generators** get the base weights with the adapters merged in, under the base model's parameter names
   (`weight_sync/lora_merge.py`, called by `gather_full_state`), through the usual weight path; they never know
-  about LoRA. The initial weights are such a merged copy too (an adapter may start non-zero).
+  about LoRA. They start from the base model's directory while the adapters are still zero, else from a merged
+  copy (after a resume, or an adapter that starts non-zero).
 - **Checkpoints** hold the adapter only (`adapter_model.safetensors`, the `Trainer`'s own save of a `PeftModel`);
   on resume the adapter is loaded before the generators start, so they start from the checkpoint's merged weights.
 
@@ -106,6 +107,20 @@ def adapters_off(model):
             yield peft_model
     finally:
         peft_model.train(was_training)
+
+
+def adapters_are_identity(model) -> bool:
+    """True when merging changes no weight, so the generators may start from the base model's own directory: every
+    trained tensor is a LoRA A, or a LoRA B that is all zero (peft's default initialisation). Anything else (DoRA
+    magnitudes, `modules_to_save` copies, trained B, base weights rewritten by PiSSA-style initialisations, which
+    come with a non-zero B): False."""
+    for name, p in _unwrap(model).named_parameters():
+        if not p.requires_grad or ".lora_A." in name or ".lora_embedding_A." in name:
+            continue
+        if (".lora_B." in name or ".lora_embedding_B." in name) and not p.detach().any():
+            continue
+        return False
+    return True
 
 
 def forward_model(model) -> torch.nn.Module:

@@ -255,8 +255,10 @@ class AsyncTrainerBase(Trainer):
         if checkpoint is not None and not lora:
             model_dir, init_copy = checkpoint, None  # generators start from the checkpoint's weights
         else:
-            model_dir, init_copy = initial_model_dir(None if lora else self._source_model_path, self.model,
-                                                     self.processing_class, self.accelerator, self.args.shm_dir)
+            # LoRA: the base's own directory while the adapters change nothing, else a merged copy
+            source = self._source_model_path if not lora or peft_policy.adapters_are_identity(self.model) else None
+            model_dir, init_copy = initial_model_dir(source, self.model, self.processing_class, self.accelerator,
+                                                     self.args.shm_dir)
         self.pipeline = RolloutPipeline(self.args, self.prompt_token_ids, model_dir, self.accelerator,
                                         self._total_steps(), self.sampling_settings(),
                                         engine_kwargs(self.args, self.model), score=self._fused_scoring(),

@@ -16,7 +16,8 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from async_rlhf.config import ConfigError  # noqa: E402
 from async_rlhf.logprobs import sequence_terms  # noqa: E402
-from async_rlhf.peft_policy import adapters_off, base_state_dict, check_peft_config, get_peft_config  # noqa: E402
+from async_rlhf.peft_policy import (adapters_are_identity, adapters_off, base_state_dict, check_peft_config,  # noqa: E402
+                                    get_peft_config)
 from async_rlhf.types import Completion, ScoredGroup  # noqa: E402
 from async_rlhf.weight_sync import ShmWeightTransport, gather_full_state  # noqa: E402
 
@@ -91,6 +92,15 @@ def test_modules_to_save_are_sent_under_the_wrapped_modules_name(tiny_model_dir)
     assert torch.equal(state["lm_head.weight"], plain.state_dict()["lm_head.weight"] + 0.1)
     plain.load_state_dict(state)
     assert torch.allclose(_logits(plain), _logits(policy), atol=1e-5)
+
+
+def test_generators_start_from_the_base_directory_only_while_adapters_are_zero(tiny_model_dir):
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    fresh = peft.get_peft_model(base, peft.LoraConfig(task_type="CAUSAL_LM", r=4, target_modules="all-linear"))
+    assert adapters_are_identity(fresh)
+    assert not adapters_are_identity(_lora_policy(tiny_model_dir))  # trained (non-zero) B
+    assert not adapters_are_identity(_lora_policy(tiny_model_dir, use_dora=True))  # DoRA rescales even at B = 0
+    assert not adapters_are_identity(_lora_policy(tiny_model_dir, modules_to_save=["lm_head"]))
 
 
 def test_reference_is_the_base_with_adapters_off(tiny_model_dir):
