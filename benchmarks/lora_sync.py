@@ -8,9 +8,9 @@ with the same LoRA adapter (random B, as after training), the same prompts (`--p
 generation of `--new_tokens` tokens per prompt (EOS ignored, so both arms generate the same number of tokens):
   merged   per sync: `gather_full_state` (peft's merge per layer, a CPU copy, the base put back), the shm publish
            (`ShmWeightTransport.publish`) and `VLLMBackend.load_weights`; then a plain engine generates.
-  adapter  per sync: the adapter saved to /dev/shm (`PeftModel.save_pretrained`) and loaded by vLLM under a new
-           LoRA id (the first request that names it loads it: timed as that request minus a request with an adapter
-           already loaded); the engine is built with `enable_lora` and every request carries the adapter.
+  adapter  per sync: the adapter saved to /dev/shm (`PeftModel.save_pretrained`), loaded by the engine under a new
+           LoRA id (`add_lora`) and the previous id removed; the engine is built with `enable_lora` and every
+           request carries the adapter.
 Medians of `--repeats` after a warm-up. Both arms check their output against the merged transformers model (greedy
 tokens of the first prompt equal), so the two are compared at equal results.
 """
@@ -112,26 +112,24 @@ def run_arm(arm: str, model_dir: str, rank: int, n_prompts: int, new_tokens: int
         llm = LLM(model=model_dir, dtype="float32", max_model_len=128, enforce_eager=True, seed=0,
                   kv_cache_memory_bytes=1 << 30, enable_lora=True, max_lora_rank=rank, max_loras=1)
         shm = tempfile.mkdtemp(dir="/dev/shm", prefix="lora_bench-")
-        ids = [0]
+        current = [None]
+        load_times: list[float] = []
 
-        def save():
+        def sync():  # what a weight sync would be: save the adapter, load it as a new LoRA, drop the previous one
             policy.save_pretrained(shm)
+            previous = current[0]
+            current[0] = LoRARequest(f"v{previous.lora_int_id + 1 if previous else 1}",
+                                     previous.lora_int_id + 1 if previous else 1, shm)
+            t0 = time.perf_counter()
+            llm.llm_engine.add_lora(current[0])
+            load_times.append(time.perf_counter() - t0)
+            if previous is not None:
+                llm.llm_engine.remove_lora(previous.lora_int_id)
 
-        def new_adapter():
-            ids[0] += 1
-            return LoRARequest(f"v{ids[0]}", ids[0], shm)
-
-        save()
-        loaded = new_adapter()
-        llm.generate(batch, greedy, lora_request=loaded, use_tqdm=False)
-        out["save_seconds"] = median_seconds(save, repeats)
-        first = median_seconds(lambda: llm.generate(batch, greedy, lora_request=new_adapter(), use_tqdm=False),
-                               repeats)
-        again = median_seconds(lambda: llm.generate(batch, greedy, lora_request=loaded, use_tqdm=False), repeats)
-        out["adapter_load_seconds"] = max(0.0, first - again)
-        out["sync_seconds"] = out["save_seconds"] + out["adapter_load_seconds"]
+        out["sync_seconds"] = median_seconds(sync, repeats)
+        out["adapter_load_seconds"] = statistics.median(load_times[1:])  # the warm-up's excluded
         out["sync_bytes"] = os.path.getsize(os.path.join(shm, "adapter_model.safetensors"))
-        request = {"lora_request": loaded}
+        request = {"lora_request": current[0]}
     generate = lambda: llm.generate(batch, greedy, use_tqdm=False, **request)  # noqa: E731
     out["generate_seconds"] = median_seconds(generate, repeats)
     got = generate()[0].outputs[0].token_ids
