@@ -9,8 +9,9 @@ generation of `--new_tokens` tokens per prompt (EOS ignored, so both arms genera
   merged   per sync: `gather_full_state` (peft's merge per layer, a CPU copy, the base put back), the shm publish
            (`ShmWeightTransport.publish`) and `VLLMBackend.load_weights`; then a plain engine generates.
   adapter  per sync: the adapter saved to /dev/shm (`PeftModel.save_pretrained`), loaded by the engine under a new
-           LoRA id (`add_lora`) and the previous id removed; the engine is built with `enable_lora` and every
-           request carries the adapter.
+           LoRA id (`add_lora`: into the engine's CPU-side adapter cache; moving it into an active slot happens at
+           the first request that uses it and is not timed, so this is a lower bound) and the previous id removed;
+           the engine is built with `enable_lora` and every request carries the adapter.
 Medians of `--repeats` after a warm-up. Both arms check their output against the merged transformers model (greedy
 tokens of the first prompt equal), so the two are compared at equal results.
 """
