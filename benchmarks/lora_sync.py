@@ -179,7 +179,8 @@ def main(argv=None) -> None:
                 details = {k: round(v, 4) for k, v in r.items() if k.endswith("_seconds") and k not in
                            ("sync_seconds", "generate_seconds")}
                 print(f"{size:>5} {arm:>8} {r['sync_seconds']:8.3f} {r['sync_bytes'] / 1e6:8.2f} "
-                      f"{r['generate_seconds']:10.3f} {r['tokens_per_s']:7.1f}  {str(r['matches_merged_transformers']):5}  "
+                      f"{r['generate_seconds']:10.3f} {r['tokens_per_s']:7.1f}  "
+                      f"{str(r['matches_merged_transformers']):5}  "
                       f"{details}", flush=True)
 
 

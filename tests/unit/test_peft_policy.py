@@ -16,8 +16,8 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from async_rlhf.config import ConfigError  # noqa: E402
 from async_rlhf.logprobs import sequence_terms  # noqa: E402
-from async_rlhf.peft_policy import (adapters_are_identity, adapters_off, base_state_dict, check_peft_config,  # noqa: E402
-                                    get_peft_config)
+from async_rlhf.peft_policy import (adapters_are_identity, adapters_off, base_state_dict,  # noqa: E402
+                                    check_peft_config, get_peft_config)
 from async_rlhf.types import Completion, ScoredGroup  # noqa: E402
 from async_rlhf.weight_sync import ShmWeightTransport, gather_full_state  # noqa: E402
 
@@ -120,7 +120,8 @@ def test_sequence_terms_without_ref_model_use_the_adapter_free_base(tiny_model_d
     policy = _lora_policy(tiny_model_dir)
     plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     groups = [ScoredGroup(prompt_id=0, prompt_token_ids=[5, 17, 30, 44],
-                          completions=[Completion([9, 12, 70], [-1.0, -2.0, -3.0], "length"), Completion([3, 8], [-1.0, -1.5], "length")],
+                          completions=[Completion([9, 12, 70], [-1.0, -2.0, -3.0], "length"),
+                                       Completion([3, 8], [-1.0, -1.5], "length")],
                           rewards=[1.0, 0.0], policy_version=0)]
     kwargs = dict(pad_id=0, max_length=32, device="cpu", temperature=1.0, sampling_temperature=1.0)
     for shared in (False, True):
