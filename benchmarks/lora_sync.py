@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -130,6 +131,7 @@ def run_arm(arm: str, model_dir: str, rank: int, n_prompts: int, new_tokens: int
         out["sync_seconds"] = median_seconds(sync, repeats)
         out["adapter_load_seconds"] = statistics.median(load_times[1:])  # the warm-up's excluded
         out["sync_bytes"] = os.path.getsize(os.path.join(shm, "adapter_model.safetensors"))
+        shutil.rmtree(shm)  # vLLM holds the adapter in memory from here on
         request = {"lora_request": current[0]}
     generate = lambda: llm.generate(batch, greedy, use_tqdm=False, **request)  # noqa: E731
     out["generate_seconds"] = median_seconds(generate, repeats)
