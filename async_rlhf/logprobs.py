@@ -4,10 +4,12 @@ the generator's behaviour log-probs, on the same packed rows."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 
+from async_rlhf.peft_policy import adapters_off
 from async_rlhf.types import Completion, ScoredGroup
 
 
@@ -96,18 +98,22 @@ def sequence_terms(model, ref_model, groups: list[ScoredGroup], *, pad_id: int, 
                    temperature: float, sampling_temperature: float, select=None,
                    shared_prefix: bool = False) -> SequenceTerms:
     """The rows `select` ((group, completion) pairs; default every completion of every group) packed once and run
-    through the policy (with gradient) and the reference (without), both at `temperature`: 1 for DPO-style losses
-    on sequence log-probs, the sampling temperature for policy-gradient ratios against the behaviour log-probs.
+    through the policy (with gradient) and the reference (without; `ref_model` None: the LoRA policy with its
+    adapters switched off), both at `temperature`: 1 for DPO-style losses on sequence log-probs, the sampling
+    temperature for policy-gradient ratios against the behaviour log-probs.
     `shared_prefix`: the reference runs each group's prompt once (`shared_prefix_logps`)."""
     ids, attn, comp, completions = completion_batch(groups, pad_id, max_length, device, select)
     logps, mask, drift = token_logps(model, ids, attn, comp, temperature=temperature,
                                      drift_temperature=sampling_temperature)
-    ref = None
-    if shared_prefix:
-        ref = shared_prefix_logps(ref_model, groups, select, mask, max_length, temperature=temperature)
-    if ref is None:
-        with torch.no_grad():
-            ref, _, _ = token_logps(ref_model, ids, attn, comp, temperature=temperature)
+    with contextlib.ExitStack() as stack:
+        if ref_model is None:  # a LoRA policy's reference: the policy itself with its adapters off (peft_policy.py)
+            ref_model = stack.enter_context(adapters_off(model))
+        ref = None
+        if shared_prefix:
+            ref = shared_prefix_logps(ref_model, groups, select, mask, max_length, temperature=temperature)
+        if ref is None:
+            with torch.no_grad():
+                ref, _, _ = token_logps(ref_model, ids, attn, comp, temperature=temperature)
     return SequenceTerms(ids, attn, comp, logps, ref, drift, behaviour_logps(completions, mask), mask, completions)
 
 

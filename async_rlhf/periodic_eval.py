@@ -14,6 +14,8 @@ import math
 
 from transformers import TrainerCallback
 
+from async_rlhf.peft_policy import forward_model
+
 logger = logging.getLogger(__name__)
 
 
@@ -40,7 +42,7 @@ class PeriodicEvaluation(TrainerCallback):
             return
         was_training = model.training
         try:
-            results = self.evaluate(model)
+            results = self.evaluate(forward_model(model))  # a LoRA policy: its base model, adapters in place
         finally:
             model.train(was_training)
         self.trainer.extra_logs.update({f"eval/{k}": float(v) for k, v in results.items()

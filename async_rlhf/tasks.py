@@ -13,6 +13,8 @@ from typing import Any, Callable
 
 from async_rlhf.config import ConfigError
 from async_rlhf.evaluation import gold_evaluation
+from async_rlhf.peft_policy import is_peft_policy, savable_model
+from async_rlhf.weight_sync import gather_full_state
 
 
 @dataclass
@@ -41,6 +43,19 @@ class ScriptArguments:
     hub_reward: str | None = field(default=None, metadata={"help": "task 'hub': 'gsm8k' (exact-match reward "
                                                                    "on the '#### <number>' answer) instead of "
                                                                    "--reward_model_path."})
+    # LoRA, with TRL's ModelConfig names (the recipes pass `peft_policy.get_peft_config(script)` as peft_config)
+    use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters on the policy instead of all its "
+                                                            "weights (the reference is the base, adapters off)."})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha (the update is scaled by alpha / r)."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA input (0 with "
+                                                                "--disable_dropout true, the default)."})
+    lora_target_modules: list[str] | None = field(default=None, metadata={
+        "help": "Modules that get adapters, e.g. 'q_proj v_proj' or 'all-linear' (default: peft's choice for the "
+                "architecture)."})
+    lora_modules_to_save: list[str] | None = field(default=None, metadata={
+        "help": "Modules trained in full next to the adapters (e.g. lm_head)."})
+    use_rslora: bool = field(default=False, metadata={"help": "Rank-stabilised LoRA: scale by alpha / sqrt(r)."})
 
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch", "configs")
@@ -127,11 +142,20 @@ def _smollm2_task(script: ScriptArguments) -> Task:
 
 
 def save_and_evaluate(trainer, evaluate, output_dir: str) -> dict | None:
-    """The end of every recipe: save the policy with its tokenizer, then (rank 0) the task's gold evaluation."""
+    """The end of every recipe: save the policy with its tokenizer, then (rank 0) the task's gold evaluation.
+    A LoRA policy saves its adapter in `output_dir` (as TRL's trainers do) and the merged model, a plain model
+    directory that vLLM and `evals/evaluate.py` load, in `output_dir/merged`, which is what is evaluated."""
     trainer.save_model(output_dir)
+    evaluated = output_dir
+    if is_peft_policy(trainer.model):
+        evaluated = os.path.join(output_dir, "merged")
+        state = gather_full_state(trainer.model_wrapped, trainer.accelerator.is_main_process)
+        if trainer.accelerator.is_main_process:
+            savable_model(trainer.model).save_pretrained(evaluated, state_dict=state)
+            trainer.processing_class.save_pretrained(evaluated)
     if evaluate is None or not trainer.accelerator.is_main_process:
         return None
-    results = evaluate(output_dir)
+    results = evaluate(evaluated)
     print("final evaluation:", json.dumps(results, indent=2), flush=True)
     with open(os.path.join(output_dir, "eval_results.json"), "w") as f:
         json.dump(results, f, indent=2)

@@ -22,6 +22,7 @@ import shutil
 import torch
 
 from async_rlhf.config import AsyncRLConfig, ConfigError
+from async_rlhf.peft_policy import savable_model
 from async_rlhf.weight_sync import gather_full_state
 from async_rlhf.weight_sync.shm_dirs import INIT_PREFIX, OwnedDir, remove_orphaned_dirs
 
@@ -96,7 +97,8 @@ def initial_model_dir(source_path: str | None, model, tokenizer, accelerator,
     remove_orphaned_dirs(shm_dir)
     copy = OwnedDir(shm_dir, INIT_PREFIX)
     try:
-        accelerator.unwrap_model(model).save_pretrained(copy.path, state_dict=state)
+        # a LoRA policy: its base model, saved with the merged weights (`state` holds the base model's names)
+        savable_model(accelerator.unwrap_model(model)).save_pretrained(copy.path, state_dict=state)
         tokenizer.save_pretrained(copy.path)
     except BaseException:
         copy.close()

@@ -5,7 +5,3 @@ measured), `cost_model.py` (seconds per stage and bytes per device), `simulator.
 our pipeline), `search.py` (every plan, ranked), `commands.py` (the command that runs a plan), `feedback.py` (the
 end-of-run comparison in `run_summary.py`), `cli.py` (`python -m async_rlhf.plan`). docs/planning.md.
 """
-
-from async_rlhf.plan.cli import main
-
-__all__ = ["main"]

@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainerCallback
 
-from async_rlhf import checkpointing
+from async_rlhf import checkpointing, peft_policy
 from async_rlhf.config import AsyncRLConfig, ConfigError
 from async_rlhf.data.prompts import check_prompt_dataset, completion_budgets, tokenize_prompts
 from async_rlhf.frozen_models import prepare_frozen, reference_model
@@ -97,8 +97,7 @@ class AsyncTrainerBase(Trainer):
             args = self.config_class(output_dir=os.path.join(tempfile.gettempdir(), "async_rlhf-output"))
         if not isinstance(args, self.config_class):
             raise ConfigError(f"args: expected {self.config_class.__name__}, got {type(args).__name__}")
-        if peft_config is not None:
-            raise NotImplementedError("peft_config: LoRA policies are not supported yet; pass a full model")
+        peft_policy.check_peft_config(peft_config, model)  # LoRA: see peft_policy.py
         check_prompt_dataset(train_dataset)
         reward_funcs = reward_funcs if reward_funcs is not None else args.reward_model_path
         if reward_funcs is None:
@@ -125,22 +124,26 @@ class AsyncTrainerBase(Trainer):
         init_kwargs = args.model_init_kwargs or {}
         if isinstance(model, str):
             model = AutoModelForCausalLM.from_pretrained(model, **init_kwargs)
+        model = peft_policy.wrap_policy(model, peft_config, args)
         if isinstance(ref_model, str):
             ref_model = AutoModelForCausalLM.from_pretrained(ref_model, **init_kwargs)
-        elif ref_model is None:  # under ZeRO-3 loaded again (partitioned), not copied: see frozen_models.py
-            ref_model = reference_model(model, self._source_model_path, init_kwargs)
-        ref_model.eval().requires_grad_(False)
+        elif ref_model is None and not peft_policy.is_peft_policy(model):  # LoRA: None, the base with adapters off
+            ref_model = reference_model(model, self._source_model_path, init_kwargs)  # under ZeRO-3 loaded again
+        if ref_model is not None:
+            ref_model.eval().requires_grad_(False)
         resolve_generator_backend(args, model.config, (model.config.architectures or [type(model).__name__])[0],
                                   str(next(model.parameters()).dtype).removeprefix("torch."))
         if args.disable_dropout:
             _disable_dropout(model)
-            _disable_dropout(ref_model)
+            if ref_model is not None:
+                _disable_dropout(ref_model)
 
         super().__init__(model=model, args=args, data_collator=lambda items: {"tickets": items},
                          train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
                          compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers,
                          preprocess_logits_for_metrics=preprocess_logits_for_metrics)
-        self.ref_model = prepare_frozen(ref_model, self.accelerator)  # a DeepSpeed engine under DeepSpeed
+        # a DeepSpeed engine under DeepSpeed; None for a LoRA policy (`logprobs.sequence_terms` switches adapters off)
+        self.ref_model = prepare_frozen(ref_model, self.accelerator) if ref_model is not None else None
         self.scorer = RewardScorer(reward_funcs, args.reward_weights, reward_processing_classes,
                                    args.missing_eos_penalty, args.reward_failure, device=self.accelerator.device,
                                    prepare_model=lambda m: prepare_frozen(m, self.accelerator))
@@ -253,10 +256,16 @@ class AsyncTrainerBase(Trainer):
         if checkpoint is not None:  # validated before any generator starts
             checkpointing.check_resume_is_safe(checkpoint, unpickles=self.is_deepspeed_enabled)
             restored = checkpointing.load_pipeline_state(checkpoint, self._identity())
+        lora = peft_policy.is_peft_policy(self.model)  # generators start from a merged copy, whatever the checkpoint
+        if checkpoint is not None and lora:
+            peft_policy.load_adapter_checkpoint(self.model, checkpoint)
+        if checkpoint is not None and not lora:
             model_dir, init_copy = checkpoint, None  # generators start from the checkpoint's weights
         else:
-            model_dir, init_copy = initial_model_dir(self._source_model_path, self.model, self.processing_class,
-                                                     self.accelerator, self.args.shm_dir)
+            # LoRA: the base's own directory while the adapters change nothing, else a merged copy
+            source = self._source_model_path if not lora or peft_policy.adapters_are_identity(self.model) else None
+            model_dir, init_copy = initial_model_dir(source, self.model, self.processing_class, self.accelerator,
+                                                     self.args.shm_dir)
         self.pipeline = RolloutPipeline(self.args, self.prompt_token_ids, model_dir, self.accelerator,
                                         self._total_steps(), self.sampling_settings(),
                                         engine_kwargs(self.args, self.model), score=self._fused_scoring(),
@@ -287,8 +296,12 @@ class AsyncTrainerBase(Trainer):
         self.run_summary = build_summary(self.pipeline, self.args, self.accelerator, self.state.global_step,
                                          time.perf_counter() - t0, self._loop_seconds, self.scorer.skipped,
                                          self._last_metrics)
+        if lora:
+            self.run_summary["lora"] = peft_policy.memory_report(self.model, self.optimizer)
         if self.accelerator.is_main_process:
             print(format_summary(self.run_summary), flush=True)
+            if lora:
+                print(peft_policy.format_memory_report(self.run_summary["lora"]), flush=True)
             os.makedirs(self.args.output_dir, exist_ok=True)
             with open(os.path.join(self.args.output_dir, "run_summary.json"), "w") as f:
                 json.dump(self.run_summary, f, indent=2)

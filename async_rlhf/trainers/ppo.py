@@ -14,6 +14,7 @@ from transformers import AutoModelForSequenceClassification
 
 from async_rlhf.algorithm_configs import AsyncPPOConfig
 from async_rlhf.logprobs import sequence_terms
+from async_rlhf.peft_policy import base_state_dict
 from async_rlhf.losses.ppo import gae_advantages, ppo_policy_loss, ppo_value_loss, whiten
 from async_rlhf.trainers.base import AsyncTrainerBase
 from async_rlhf.trainers.policy_gradient import common_metrics, policy_terms, ratio_denominator
@@ -25,7 +26,8 @@ def build_critic(policy) -> torch.nn.Module:
     config = copy.deepcopy(policy.config)
     config.num_labels = 1
     critic = AutoModelForSequenceClassification.from_config(config)
-    critic.load_state_dict(policy.state_dict(), strict=False)  # shared backbone names; lm_head is ignored
+    # shared backbone names (a LoRA policy's merged weights under its base names); lm_head is ignored
+    critic.load_state_dict(base_state_dict(policy), strict=False)
     torch.nn.init.zeros_(critic.score.weight)
     return critic
 

@@ -10,6 +10,9 @@ released when the block exits), and rank 0 copies each to CPU before the next is
 more than its partitions plus one full parameter on the device, and rank 0 builds the CPU copy once, which is
 what the transport publishes: the full model is never held twice. ZeRO-1/2 and DDP keep full parameters on every
 rank; rank 0 copies its own.
+
+A LoRA policy (`peft.PeftModel`) is sent as the plain model the generators hold: the base weights with the adapters
+merged in, under the base model's names (`lora_merge.py`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import torch
+
+from async_rlhf.weight_sync.lora_merge import is_peft_model, merged_state
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -38,6 +43,8 @@ def gather_full_state(model: torch.nn.Module, is_main: bool,
     if not is_zero3_partitioned(model):
         if not is_main:
             return None
+        if is_peft_model(model):
+            return OrderedDict((k, v.to(device)) for k, v in merged_state(model).items())
         return OrderedDict((k, v.detach().to(device, copy=True)) for k, v in model.state_dict().items())
 
     import deepspeed

@@ -118,8 +118,9 @@ def test_missing_dataset_or_reward_is_named(output_dir, make_config):
         AsyncOnlineDPOTrainer(MISSING_MODEL, args=args, train_dataset=Dataset.from_dict({"prompt": ["x"]}))
 
 
-def test_peft_is_refused_clearly(output_dir, make_config):
-    with pytest.raises(NotImplementedError, match="peft_config"):
+def test_a_peft_config_that_is_not_one_is_refused_before_the_model_loads(output_dir, make_config):
+    pytest.importorskip("peft")
+    with pytest.raises(TypeError, match="peft_config: must be a peft.PeftConfig instance .* got object"):
         AsyncOnlineDPOTrainer(MISSING_MODEL, reward_funcs=reward, args=make_config(output_dir=output_dir),
                               peft_config=object(), train_dataset=Dataset.from_dict({"prompt": ["x"]}))
 

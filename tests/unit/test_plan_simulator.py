@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from async_rlhf.plan import main as plan_main
+from async_rlhf.plan.cli import main as plan_main
 from async_rlhf.plan.feedback import feedback, format_feedback
 from async_rlhf.plan.simulator import EngineModel, SimConfig, simulate
 
