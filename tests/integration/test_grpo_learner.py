@@ -1,0 +1,98 @@
+"""GRPO on the asynchronous loop: a real generator process on the GSM8k fixture with the exact-match reward (the
+verifiable-reward path: loader, `final_answer` column, reward weights), and, offline, that the exact-match reward
+steers GRPO's update toward the correct answer."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from async_rlhf import AsyncGRPOConfig, AsyncGRPOTrainer
+from async_rlhf.data.loaders import GSM8K, gsm8k_reward, load_prompt_dataset
+from async_rlhf.logprobs import completion_batch, token_logps
+from async_rlhf.scoring import score_rows
+from async_rlhf.types import Completion, RolloutBatch
+from run_records import check_staleness_records
+
+FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "datasets", "gsm8k.jsonl")
+STEPS = 4
+
+
+def digit_reward(prompts, completions, **kwargs) -> list[float]:
+    """A shaping reward next to the exact match: the fraction of digits in the completion."""
+    return [sum(ch.isdigit() for ch in c) / len(c) if c else 0.0 for c in completions]
+
+
+def test_grpo_on_gsm8k_fixture_end_to_end(tmp_path, tiny_model_dir):
+    rows = load_prompt_dataset(GSM8K, data_files=FIXTURE)
+    config = AsyncGRPOConfig(output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=2,
+                             num_generations=4, max_completion_length=8, max_length=160, learning_rate=1e-2,
+                             lr_scheduler_type="constant", max_staleness=1, generator_backend="transformers",
+                             off_policy_correction="tis", beta=0.04, reward_weights=[1.0, 0.5], seed=5,
+                             disable_tqdm=True, generator_start_timeout=120, rollout_timeout=120)
+    trainer = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=[gsm8k_reward, digit_reward], args=config,
+                               train_dataset=rows)
+    assert trainer.reward_funcs == [gsm8k_reward, digit_reward] and trainer.num_generations == 4
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in steps if "policy/loss" in m]
+    assert len(steps) == STEPS
+    check_staleness_records(tmp_path, STEPS, 1, trainer.run_summary, dropped=0)
+    for m in steps:
+        exact, digits = m["rewards/gsm8k_reward/mean"], m["rewards/digit_reward/mean"]
+        assert 0.0 <= exact <= 1.0 and 0.0 <= digits <= 1.0
+        assert m["reward"] == pytest.approx(exact + 0.5 * digits, abs=1e-5)  # reward_weights combine them
+        assert 0.0 <= m["frac_reward_zero_std"] <= 1.0 and m["policy/kl"] >= 0.0
+        assert all(map(torch.isfinite, map(torch.tensor, (m["loss"], m["grad_norm"]))))
+    changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(p.detach(), before[n])]
+    assert changed, "no parameter moved"
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_exact_match_reward_steers_the_update_toward_the_right_answer(tmp_path, tiny_model_dir, loss_type):
+    """No generator: two hand-written completions per prompt (the right '#### <answer>' and a wrong one), scored by
+    the real scorer from the dataset's `final_answer` column, one GRPO step: the right one becomes likelier."""
+    rows = load_prompt_dataset(GSM8K, data_files=FIXTURE)
+    config = AsyncGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2,
+                             max_completion_length=8, max_length=160, generator_backend="transformers",
+                             loss_type=loss_type)
+    trainer = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=gsm8k_reward, args=config, train_dataset=rows)
+    tok, model = trainer.processing_class, trainer.model
+    texts = [[" #### 7", " #### 8"], [" #### 601", " #### 600"]]  # prompt 0 answers 7, prompt 1 answers 600
+    ids = [[tok(t, add_special_tokens=False)["input_ids"] for t in pair] for pair in texts]
+    prompts = [trainer.prompt_token_ids[0], trainer.prompt_token_ids[1]]
+
+    def logps_now(groups):
+        batch = completion_batch(groups, tok.pad_token_id, config.max_length, "cpu")
+        with torch.no_grad():
+            lp, mask, _ = token_logps(model, *batch[:3], temperature=config.temperature)
+        return lp.sum(-1), mask
+
+    draft = [RolloutBatch(0, 0, 0, [0, 1], prompts, [[Completion(c, [0.0] * len(c), "stop") for c in pair]
+                                                      for pair in ids], 0.0)]
+    groups, _ = score_rows(draft[0], range(2), trainer.scorer, tok, lambda pid: rows[trainer.prompt_rows[pid]])
+    assert [g.rewards for g in groups] == [[1.0, 0.0], [0.0, 1.0]]
+    # behaviour log-probs = the model's own: the step is on-policy
+    seq_before, mask = logps_now(groups)
+    with torch.no_grad():
+        own = token_logps(model, *completion_batch(groups, tok.pad_token_id, config.max_length, "cpu")[:3])[0]
+    for row, c in enumerate(c for g in groups for c in g.completions):
+        c.logprobs[:] = own[row][mask[row] != 0].tolist()
+    trainer._step_batch = draft[0]  # the step's batch: "dapo" counts its tokens
+    model.train()
+    loss, metrics = trainer.compute_rollout_loss(model, groups)
+    assert metrics["reward"] == 0.5 and metrics["frac_reward_zero_std"] == 0.0
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p -= 0.05 * p.grad
+    seq_after, _ = logps_now(groups)
+    gain = (seq_after - seq_before).tolist()
+    assert gain[0] > 0 and gain[1] < 0, gain  # prompt 0: right answer first
+    assert gain[3] > 0 and gain[2] < 0, gain  # prompt 1: right answer second
