@@ -3,8 +3,10 @@
     python recipes/grpo.py --output_dir outputs/grpo         # built-in task (prepared on first use)
     python recipes/grpo.py --max_staleness 0 --output_dir outputs/grpo_sync
     python recipes/grpo.py --task toy --max_steps 8 --output_dir /tmp/grpo  # a seconds-scale smoke run
-    python recipes/grpo.py --task hub --model_name_or_path MODEL --dataset_name openai/gsm8k --hub_reward gsm8k \
-        --output_dir outputs/grpo_gsm8k                       # verifiable reward: exact match of the final answer
+    python recipes/grpo.py --task hub --model_name_or_path <policy> --dataset_name openai/gsm8k --hub_reward gsm8k
+
+The last one trains on GSM8k with the verifiable exact-match reward on the '#### <number>' answer
+(`data/loaders.gsm8k_reward`); `--dataset_data_files train.jsonl` reads a local copy instead of the hub.
 
 Launched and configured exactly like recipes/online_dpo.py (same task flags, same asynchronous fields); GRPO's own
 fields (loss_type, scale_rewards, epsilon_high, ...) are TRL's GRPOConfig names (async_rlhf/algorithm_configs.py).
