@@ -133,8 +133,9 @@ class AsyncGRPOConfig(AsyncPolicyGradientConfig):
     def __post_init__(self):
         from async_rlhf.losses.grpo import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALE_REWARDS
 
-        scale = {True: "group", False: "none", "true": "group", "false": "none"}
-        self.scale_rewards = scale.get(self.scale_rewards, self.scale_rewards)
+        if isinstance(self.scale_rewards, str):  # flags and YAML may spell TRL's booleans as text
+            self.scale_rewards = {"true": True, "false": False}.get(self.scale_rewards.lower(), self.scale_rewards)
+        self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
         check_types(self)
         _require(self.loss_type in LOSS_TYPES, "loss_type", f"{self.loss_type!r} is not one of {LOSS_TYPES}")
         _require(self.scale_rewards in SCALE_REWARDS, "scale_rewards",

@@ -119,7 +119,7 @@ def grpo_loss(
 
     With r = exp(log_w), log_w = logps − old_logps per token ("token") or its masked mean per sequence
     ("sequence", broadcast over the tokens), the clipped types' token term is
-        ℓ_t = −min(min(r, δ)·A, clip(r, 1 − ε_low, 1 + ε_high)·A)          (min(r, δ) only when `delta` is set)
+        ℓ_t = −min(min(r, δ)·A, clip(r, 1 − ε_low, 1 + ε_high)·A)      (min(r, δ) only when `delta` is set)
     times the off-policy weight w_t ("tis" / "decoupled"), plus β·kl_t with
         kl_t = exp(ref − logps) − (ref − logps) − 1   (× r when use_bias_correction_kl).
 

@@ -109,8 +109,8 @@ def test_public_attributes_after_construction(impl, tiny_model_dir, tmp_path):
         from async_rlhf import AsyncGRPOConfig, AsyncGRPOTrainer
 
         fields["per_device_train_batch_size"] //= fields["num_generations"]
-        trainer = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=funcs, args=AsyncGRPOConfig(**fields, **OURS_ONLY),
-                                   train_dataset=_dataset())
+        args = AsyncGRPOConfig(**fields, **OURS_ONLY)
+        trainer = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=funcs, args=args, train_dataset=_dataset())
     assert trainer.reward_funcs == funcs
     assert trainer.reward_weights.tolist() == [2.0, 1.0]
     assert trainer.num_generations == 3 and trainer.beta == 0.0

@@ -53,38 +53,46 @@ def test_grpo_on_gsm8k_fixture_end_to_end(tmp_path, tiny_model_dir):
     assert changed, "no parameter moved"
 
 
+def _trainer_and_groups(tmp_path, model_dir, texts, **fields):
+    """A GRPO trainer on the GSM8k fixture (no generator started) and one scored group per prompt holding the
+    completions `texts[prompt]`, with behaviour log-probs equal to the model's own (on-policy)."""
+    rows = load_prompt_dataset(GSM8K, data_files=FIXTURE)
+    config = AsyncGRPOConfig(**{"output_dir": str(tmp_path), "per_device_train_batch_size": 2, "num_generations": 2,
+                                "max_completion_length": 16, "max_length": 160,
+                                "generator_backend": "transformers", **fields})
+    trainer = AsyncGRPOTrainer(model=model_dir, reward_funcs=gsm8k_reward, args=config, train_dataset=rows)
+    tok, model = trainer.processing_class, trainer.model
+    ids = [[tok(t, add_special_tokens=False)["input_ids"] for t in group] for group in texts]
+    batch = RolloutBatch(0, 0, 0, list(range(len(texts))), trainer.prompt_token_ids[:len(texts)],
+                         [[Completion(c, [0.0] * len(c), "stop") for c in group] for group in ids], 0.0)
+    groups, _ = score_rows(batch, range(len(texts)), trainer.scorer, tok, lambda pid: rows[trainer.prompt_rows[pid]])
+    packed = completion_batch(groups, tok.pad_token_id, config.max_length, "cpu")
+    with torch.no_grad():
+        own, mask, _ = token_logps(model, *packed[:3], temperature=config.temperature)
+    for row, c in enumerate(c for g in groups for c in g.completions):
+        c.logprobs[:] = own[row][mask[row] != 0].tolist()
+    trainer._step_batch = batch  # the step's batch, as micro_batch_groups leaves it: "dapo" counts its tokens
+    model.train()
+    return trainer, groups
+
+
+RIGHT_AND_WRONG = [[" #### 7", " #### 8"], [" #### 601", " #### 600"]]  # prompt 0 answers 7, prompt 1 600
+
+
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
 def test_exact_match_reward_steers_the_update_toward_the_right_answer(tmp_path, tiny_model_dir, loss_type):
     """No generator: two hand-written completions per prompt (the right '#### <answer>' and a wrong one), scored by
     the real scorer from the dataset's `final_answer` column, one GRPO step: the right one becomes likelier."""
-    rows = load_prompt_dataset(GSM8K, data_files=FIXTURE)
-    config = AsyncGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2,
-                             max_completion_length=8, max_length=160, generator_backend="transformers",
-                             loss_type=loss_type)
-    trainer = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=gsm8k_reward, args=config, train_dataset=rows)
-    tok, model = trainer.processing_class, trainer.model
-    texts = [[" #### 7", " #### 8"], [" #### 601", " #### 600"]]  # prompt 0 answers 7, prompt 1 answers 600
-    ids = [[tok(t, add_special_tokens=False)["input_ids"] for t in pair] for pair in texts]
-    prompts = [trainer.prompt_token_ids[0], trainer.prompt_token_ids[1]]
-
-    def logps_now(groups):
-        batch = completion_batch(groups, tok.pad_token_id, config.max_length, "cpu")
-        with torch.no_grad():
-            lp, mask, _ = token_logps(model, *batch[:3], temperature=config.temperature)
-        return lp.sum(-1), mask
-
-    draft = [RolloutBatch(0, 0, 0, [0, 1], prompts, [[Completion(c, [0.0] * len(c), "stop") for c in pair]
-                                                      for pair in ids], 0.0)]
-    groups, _ = score_rows(draft[0], range(2), trainer.scorer, tok, lambda pid: rows[trainer.prompt_rows[pid]])
+    trainer, groups = _trainer_and_groups(tmp_path, tiny_model_dir, RIGHT_AND_WRONG, loss_type=loss_type)
+    model, tok = trainer.model, trainer.processing_class
     assert [g.rewards for g in groups] == [[1.0, 0.0], [0.0, 1.0]]
-    # behaviour log-probs = the model's own: the step is on-policy
-    seq_before, mask = logps_now(groups)
-    with torch.no_grad():
-        own = token_logps(model, *completion_batch(groups, tok.pad_token_id, config.max_length, "cpu")[:3])[0]
-    for row, c in enumerate(c for g in groups for c in g.completions):
-        c.logprobs[:] = own[row][mask[row] != 0].tolist()
-    trainer._step_batch = draft[0]  # the step's batch: "dapo" counts its tokens
-    model.train()
+
+    def sequence_logps():
+        packed = completion_batch(groups, tok.pad_token_id, trainer.args.max_length, "cpu")
+        with torch.no_grad():
+            return token_logps(model, *packed[:3])[0].sum(-1)
+
+    before = sequence_logps()
     loss, metrics = trainer.compute_rollout_loss(model, groups)
     assert metrics["reward"] == 0.5 and metrics["frac_reward_zero_std"] == 0.0
     loss.backward()
@@ -92,10 +100,23 @@ def test_exact_match_reward_steers_the_update_toward_the_right_answer(tmp_path, 
         for p in model.parameters():
             if p.grad is not None:
                 p -= 0.05 * p.grad
-    seq_after, _ = logps_now(groups)
-    gain = (seq_after - seq_before).tolist()
+    gain = (sequence_logps() - before).tolist()
     assert gain[0] > 0 and gain[1] < 0, gain  # prompt 0: right answer first
     assert gain[3] > 0 and gain[2] < 0, gain  # prompt 1: right answer second
+
+
+def test_dapo_weighs_every_token_of_the_step_alike_across_micro_batches(tmp_path, tiny_model_dir):
+    """TRL's "dapo" divides by the tokens of the whole accumulated batch: two micro-batches of one prompt each
+    (gradient_accumulation_steps 2; the base class divides each loss by 2) give the loss of one micro-batch holding
+    both prompts, though the prompts' completions differ in length. "bnpo" (per micro-batch) does not."""
+    texts = [[" #### 7", " 3 + 4 = 7, so #### 8"], [" #### 601", " #### 600"]]
+    for loss_type, equal in (("dapo", True), ("bnpo", False)):
+        whole, groups = _trainer_and_groups(tmp_path / f"{loss_type}-1", tiny_model_dir, texts, loss_type=loss_type)
+        one = whole.compute_rollout_loss(whole.model, groups)[0].item()
+        split, groups = _trainer_and_groups(tmp_path / f"{loss_type}-2", tiny_model_dir, texts, loss_type=loss_type,
+                                            per_device_train_batch_size=1, gradient_accumulation_steps=2)
+        two = sum(split.compute_rollout_loss(split.model, [g])[0].item() for g in groups) / 2
+        assert (abs(one - two) < 1e-6) == equal, (loss_type, one, two)
 
 
 def test_recipe_hub_task_gsm8k_from_local_file(tmp_path, tiny_model_dir):

@@ -246,6 +246,7 @@ def test_config_mapping_and_validation(tmp_path):
     c = AsyncGRPOConfig(output_dir=str(tmp_path), scale_rewards=False, max_completion_length=7)
     assert c.scale_rewards == "none" and c.max_new_tokens == 7
     assert AsyncGRPOConfig(output_dir=str(tmp_path), scale_rewards=True).scale_rewards == "group"
+    assert AsyncGRPOConfig(output_dir=str(tmp_path), scale_rewards="False").scale_rewards == "none"  # a flag's text
     for bad, field in [({"loss_type": "ppo"}, "loss_type"), ({"scale_rewards": "global"}, "scale_rewards"),
                        ({"num_iterations": 2}, "num_iterations"), ({"delta": 0.5}, "delta"),
                        ({"importance_sampling_level": "batch"}, "importance_sampling_level"),
