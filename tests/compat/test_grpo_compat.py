@@ -9,7 +9,8 @@ reward a function (no hub). What our trainer is given on top of TRL's fields, an
   `num_generations` (the same completions per micro-batch);
 - `max_length` (prompt + completion, TRL has no such field; our default 512 exceeds the tiny model's 256
   positions), `generator_backend="transformers"` (starts in seconds on CPU) and short timeouts.
-Two cheap cases run in the default tier, the rest are `slow`.
+Two cheap cases run in the default tier, the rest are `slow`. Every case trains, so the file is marked `integration`
+(`-m "not integration"` stays the unit tier).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import pytest
 import torch
 
 from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
+
+pytestmark = pytest.mark.integration
 
 IMPLS = ["trl", "ours"]
 COMMON = dict(learning_rate=0.1, per_device_train_batch_size=3, num_generations=3, max_completion_length=8,
