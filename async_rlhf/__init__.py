@@ -16,6 +16,8 @@ _EXPORTS = {
     "AsyncPPOConfig": "async_rlhf.algorithm_configs",
     "AsyncBestOfNTrainer": "async_rlhf.trainers.best_of_n",
     "AsyncBestOfNConfig": "async_rlhf.algorithm_configs",
+    "AsyncGRPOTrainer": "async_rlhf.trainers.grpo",
+    "AsyncGRPOConfig": "async_rlhf.algorithm_configs",
 }
 
 

@@ -96,3 +96,57 @@ class AsyncBestOfNConfig(AsyncRLConfig):
 
     learning_rate: float = field(default=1e-5, metadata={"help": "AdamW learning rate."})
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature."})
+
+
+@dataclass
+class AsyncGRPOConfig(AsyncPolicyGradientConfig):
+    """GRPO (Shao et al. 2024) on the asynchronous pipeline, with TRL 1.16 GRPOConfig's names and defaults for the
+    loss (`loss_type` "dapo", `beta` 0, `scale_rewards` "group", `num_generations` 8). The ratio's denominator and
+    the stale-sample handling are `off_policy_correction`'s, as for RLOO and PPO. The reference model is still
+    loaded and run at beta 0 (for the objective/kl metric every learner logs)."""
+
+    beta: float = field(default=0.0, metadata={"help": "Weight of the per-token k3 KL(pi || pi_ref) in the loss "
+                                                       "(TRL default 0)."})
+    num_generations: int = field(default=8, metadata={"help": "Completions per prompt: the group (>= 2)."})
+    loss_type: str = field(default="dapo", metadata={"help": "How token terms are summed: 'grpo' (per-sequence "
+                                                             "mean, then mean), 'bnpo' (micro-batch token mean), "
+                                                             "'dr_grpo' (sum / (B * max_completion_length)), 'dapo' "
+                                                             "(sum / tokens of the whole step), 'cispo', 'sapo'."})
+    scale_rewards: str = field(default="group", metadata={"help": "Divide advantages by the reward std of the "
+                                                                  "'group', of the 'batch' (this micro-batch), or "
+                                                                  "'none' (also true / false)."})
+    epsilon_high: float | None = field(default=None, metadata={"help": "Upper clip bound (default: epsilon; DAPO "
+                                                                       "uses 0.28). 'cispo': the weight's cap."})
+    delta: float | None = field(default=None, metadata={"help": "Two-sided clipping: cap of the unclipped ratio "
+                                                                "(INTELLECT-2); None: off."})
+    importance_sampling_level: str = field(default="token", metadata={"help": "'token' ratios or one 'sequence' "
+                                                                              "ratio (GSPO)."})
+    use_bias_correction_kl: bool = field(default=True, metadata={"help": "Multiply the KL term by the ratio."})
+    mask_truncated_completions: bool = field(default=False, metadata={"help": "Leave completions that hit "
+                                                                              "max_completion_length out of the "
+                                                                              "loss (DAPO)."})
+    num_iterations: int = field(default=1, metadata={"help": "Updates per batch; only 1 (each batch trains one "
+                                                             "optimizer step; staleness is max_staleness's)."})
+    sapo_temperature_pos: float = field(default=1.0, metadata={"help": "'sapo': gate temperature, A > 0."})
+    sapo_temperature_neg: float = field(default=1.05, metadata={"help": "'sapo': gate temperature, A <= 0."})
+
+    def __post_init__(self):
+        from async_rlhf.losses.grpo import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALE_REWARDS
+
+        if isinstance(self.scale_rewards, str):  # flags and YAML may spell TRL's booleans as text
+            self.scale_rewards = {"true": True, "false": False}.get(self.scale_rewards.lower(), self.scale_rewards)
+        self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
+        check_types(self)
+        _require(self.loss_type in LOSS_TYPES, "loss_type", f"{self.loss_type!r} is not one of {LOSS_TYPES}")
+        _require(self.scale_rewards in SCALE_REWARDS, "scale_rewards",
+                 f"{self.scale_rewards!r} is not one of {SCALE_REWARDS} (or true / false)")
+        _require(self.importance_sampling_level in IMPORTANCE_SAMPLING_LEVELS, "importance_sampling_level",
+                 f"{self.importance_sampling_level!r} is not one of {IMPORTANCE_SAMPLING_LEVELS}")
+        _require(self.epsilon_high is None or self.epsilon_high > 0, "epsilon_high",
+                 f"must be > 0, got {self.epsilon_high}")
+        _require(self.delta is None or self.delta > 1, "delta", f"must be > 1 (a cap on the ratio), got {self.delta}")
+        _require(self.num_iterations == 1, "num_iterations",
+                 f"only 1 is supported (one optimizer step per batch), got {self.num_iterations}")
+        _require(self.sapo_temperature_pos > 0 and self.sapo_temperature_neg > 0, "sapo_temperature_pos",
+                 f"sapo temperatures must be > 0, got {self.sapo_temperature_pos}, {self.sapo_temperature_neg}")
+        super().__post_init__()

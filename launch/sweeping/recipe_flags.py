@@ -17,7 +17,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from async_rlhf.algorithm_configs import AsyncBestOfNConfig, AsyncOnlineDPOConfig, AsyncPPOConfig, AsyncRLOOConfig
+from async_rlhf.algorithm_configs import (AsyncBestOfNConfig, AsyncGRPOConfig, AsyncOnlineDPOConfig, AsyncPPOConfig,
+                                          AsyncRLOOConfig)
 from async_rlhf.tasks import ScriptArguments
 
 from launch.sweeping import ROOT
@@ -29,6 +30,7 @@ SWEEP_RECIPES = {
     "rloo": (AsyncRLOOConfig, ScriptArguments),
     "ppo": (AsyncPPOConfig, ScriptArguments),
     "best_of_n": (AsyncBestOfNConfig, ScriptArguments),
+    "grpo": (AsyncGRPOConfig, ScriptArguments),
 }
 
 

@@ -49,8 +49,8 @@ def test_unknown_top_level_key_is_named_with_a_suggestion(tmp_path):
 
 
 def test_unknown_algorithm_names_the_known_recipes(tmp_path):
-    message = _error(tmp_path, {**BASE, "algorithms": ["online_dpo", "grpo"]})
-    assert "algorithms.grpo: unknown algorithm: there is no recipes/grpo.py" in message
+    message = _error(tmp_path, {**BASE, "algorithms": ["online_dpo", "vapo"]})
+    assert "algorithms.vapo: unknown algorithm: there is no recipes/vapo.py" in message
     assert "online_dpo" in message and "rloo" in message
 
 
