@@ -22,6 +22,7 @@ if __package__ in (None, ""):  # `python recipes/grpo.py` from a checkout
 
 from async_rlhf.cli import parse_args, set_process_defaults
 from async_rlhf.algorithm_configs import AsyncGRPOConfig
+from async_rlhf.peft_policy import get_peft_config
 from async_rlhf.tasks import (ScriptArguments, add_periodic_evaluation, resume_argument, save_and_evaluate,
                               setup_task, task_defaults)
 from async_rlhf.trainers.grpo import AsyncGRPOTrainer
@@ -32,7 +33,7 @@ def main(argv: list[str]) -> AsyncGRPOTrainer:
     with config.main_process_first(desc="task set-up"):  # rank 0 builds caches and models; the others then read
         task = setup_task(script, config)
     trainer = AsyncGRPOTrainer(model=task.model, reward_funcs=task.reward, args=config,
-                               train_dataset=task.train_dataset)
+                               train_dataset=task.train_dataset, peft_config=get_peft_config(script))
     add_periodic_evaluation(trainer, task.evaluate, script.gold_eval_steps)
     trainer.train(resume_from_checkpoint=resume_argument(config))
     save_and_evaluate(trainer, task.evaluate, config.output_dir)
