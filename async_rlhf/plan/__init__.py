@@ -5,3 +5,11 @@ measured), `cost_model.py` (seconds per stage and bytes per device), `simulator.
 our pipeline), `search.py` (every plan, ranked), `commands.py` (the command that runs a plan), `feedback.py` (the
 end-of-run comparison in `run_summary.py`), `cli.py` (`python -m async_rlhf.plan`). docs/planning.md.
 """
+
+
+def __getattr__(name):  # `async_rlhf.plan.main` (what `python -m async_rlhf.plan` runs), imported on first use
+    if name == "main":
+        from importlib import import_module
+
+        return import_module("async_rlhf.plan.cli").main
+    raise AttributeError(f"module 'async_rlhf.plan' has no attribute {name!r}")
