@@ -2,15 +2,16 @@
 
     python benchmarks/vs_trl.py --quick                # 1 seed, 40 steps: a smoke run (about 4 minutes on 2 cores)
     python benchmarks/vs_trl.py                        # 3 seeds x 100 steps x both trainers (about 25 minutes)
-    python benchmarks/vs_trl.py --seeds 0 1 2 --steps 100 --threshold 0.58 --ours --num_generations 4
+    python benchmarks/vs_trl.py --variants '' '--generator_backend transformers' '--num_generations 4'
 
 Both trainers start from the built-in task's SFT policy, score with its proxy reward model and train on the same
 prompts in the same order (our `PromptStream` for the seed; TRL reads the dataset sequentially in that order), with
 the settings of `recipes/online_dpo.py --task builtin` (`launch/configs/online_dpo_builtin.yaml`: lr, beta,
 max_new_tokens, max_length, temperature, prompts per step, optimizer): TRL's `trl.experimental.online_dpo.OnlineDPOTrainer`
 (synchronous: transformers generation, then the reward model, then policy and reference forwards, all in one
-process with every core) and ours (one vLLM generator process next to one learner process). Flags after `--ours`
-go to our recipe's parser only (e.g. `--num_generations 4`: TRL always samples 2 per prompt).
+process with every core) and ours (one generator process next to one learner process). `--variants` runs ours once
+per quoted set of recipe flags (e.g. `--num_generations 4`: TRL always samples 2 per prompt); flags after `--ours`
+go to every one of our runs.
 
 Each run is a child process of this one (so both start cold, and the process wall time is measured from outside).
 Every `--eval_every` steps the run's current policy is evaluated on the task's gold win-rate (512 held-out prompts,
@@ -153,6 +154,8 @@ def child(args) -> None:
 # ---- parent: run both, compare ------------------------------------------------------------------------------------
 def seconds_to(curve: list[dict], threshold: float, start_win_rate: float) -> float | None:
     """Seconds at which the win-rate curve first reaches `threshold`, linearly interpolated; None if it never does."""
+    if start_win_rate >= threshold:
+        return 0.0
     prev_s, prev_w = 0.0, start_win_rate
     for point in curve:
         s, w = point["seconds"], point["gold_win_rate"]
@@ -171,59 +174,71 @@ def mean_curve(runs: list[dict]) -> list[dict]:
     return out
 
 
-def run_child(trainer: str, seed: int, args, result_dir: str) -> dict:
-    path = os.path.join(result_dir, f"{trainer}-seed{seed}.json")
-    cmd = [sys.executable, os.path.abspath(__file__), "--run", trainer, "--seed", str(seed), "--steps",
+def run_child(run: dict, seed: int, args, result_dir: str) -> dict:
+    """Runs one training run (`run`: {"name", "trainer", "flags"}) as a child process; returns its result."""
+    stem = os.path.join(result_dir, f"{run['name'].replace(' ', '_').replace('-', '')}-seed{seed}")
+    cmd = [sys.executable, os.path.abspath(__file__), "--run", run["trainer"], "--seed", str(seed), "--steps",
            str(args.steps), "--eval_every", str(args.eval_every), "--eval_prompts", str(args.eval_prompts),
-           "--result", path, "--ours", *args.ours_flags]
-    print(f"[vs_trl] {trainer} seed {seed}: {' '.join(cmd[1:])}", flush=True)
+           "--result", stem + ".json", "--ours", *run["flags"]]
+    print(f"[vs_trl] {run['name']} seed {seed} (log: {stem}.log)", flush=True)
     t0 = time.perf_counter()
-    with open(os.path.join(result_dir, f"{trainer}-seed{seed}.log"), "w") as log:
+    with open(stem + ".log", "w") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.run_timeout)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
-        raise RuntimeError(f"{trainer} seed {seed} failed (exit {proc.returncode}); see {log.name}")
-    with open(path) as f:
+        raise RuntimeError(f"{run['name']} seed {seed} failed (exit {proc.returncode}); see {stem}.log")
+    with open(stem + ".json") as f:
         result = json.load(f)
-    result["process_wall_seconds"] = wall
+    result.update({"name": run["name"], "process_wall_seconds": wall})
     return result
 
 
-def report(results: list[dict], args, start_win_rate: float) -> dict:
-    by = {t: [r for r in results if r["trainer"] == t] for t in TRAINERS}
-    curves = {t: mean_curve(by[t]) for t in TRAINERS}
-    print(f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, load before "
+def report(results: list[dict], runs: list[dict], args, start_win_rate: float) -> dict:
+    names = [r["name"] for r in runs]
+    by = {n: [r for r in results if r["name"] == n] for n in names}
+    curves = {n: mean_curve(by[n]) for n in names}
+    print(f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, load average before "
           f"{args.load_before}; {args.steps} steps, seeds {args.seeds}, gold evaluation on {args.eval_prompts} "
-          f"prompts every {args.eval_every} steps (SFT start: {start_win_rate:.3f}); ours: "
-          f"{by['ours'][0]['num_generations']} samples/prompt, learner {by['ours'][0]['learner_threads']} thread(s), "
-          f"generator {by['ours'][0].get('generator_threads')}; TRL: 2 samples/prompt, "
-          f"{by['trl'][0]['learner_threads']} threads; extra flags for ours: {' '.join(args.ours_flags) or '-'}")
-    steps = [p["step"] for p in curves["trl"]]
-    print("\ngold win-rate (mean of seeds) at step " + " / ".join(str(int(s)) for s in steps))
-    for t in TRAINERS:
-        print(f"  {t:<5} " + " / ".join(f"{p['gold_win_rate']:.3f}" for p in curves[t])
-              + "   seconds: " + " / ".join(f"{p['seconds']:.0f}" for p in curves[t]))
-        for r in by[t]:
-            print(f"    seed {r['seed']}: " + " / ".join(f"{p['gold_win_rate']:.3f}" for p in r["curve"]))
-    equal = min(max(p["gold_win_rate"] for p in curves[t]) for t in TRAINERS)
-    summary = {"threshold": {}, "equal": equal}
-    for name, thr in (("threshold", args.threshold), ("highest both reach", equal)):
-        times = {t: seconds_to(curves[t], thr, start_win_rate) for t in TRAINERS}
-        ratio = times["trl"] / times["ours"] if times["trl"] and times["ours"] else None
-        per_seed = {t: [seconds_to(r["curve"], thr, start_win_rate) for r in by[t]] for t in TRAINERS}
-        print(f"\nseconds to win-rate {thr:.3f} ({name}; mean curve): TRL {_fmt(times['trl'])}, ours "
-              f"{_fmt(times['ours'])}, ratio TRL/ours {ratio:.2f}x" if ratio else
-              f"\nseconds to win-rate {thr:.3f} ({name}): TRL {_fmt(times['trl'])}, ours {_fmt(times['ours'])}")
-        print("  per seed: " + "; ".join(f"{t} " + ", ".join(_fmt(x) for x in per_seed[t]) for t in TRAINERS))
-        summary["threshold" if name == "threshold" else "equal_times"] = {"win_rate": thr, **times, "ratio": ratio}
-    print("\nper run: clock s (training, evaluations excluded) | evaluation s | process wall s | our learner waited s")
+          f"prompts every {args.eval_every} steps (SFT start: {start_win_rate:.3f}); clock: training seconds from "
+          f"building the trainer, evaluations excluded")
+    for n in names:
+        r = by[n][0]
+        threads = (f"learner {r['learner_threads']} thread(s), generator {r['generator_threads']}"
+                   if r["trainer"] == "ours" else f"{r['learner_threads']} threads")
+        print(f"  {n}: {r['num_generations']} samples/prompt, {threads}")
+    width = max(len(n) for n in names)
+    steps = [int(p["step"]) for p in curves[names[0]]]
+    print("\ngold win-rate (mean of seeds) at step " + " / ".join(str(s) for s in steps) + "; clock seconds there")
+    for n in names:
+        print(f"  {n:<{width}} " + " / ".join(f"{p['gold_win_rate']:.3f}" for p in curves[n])
+              + "   s: " + " / ".join(f"{p['seconds']:.0f}" for p in curves[n]))
+        for r in by[n]:
+            print(f"  {'':<{width}}   seed {r['seed']}: " + " / ".join(f"{p['gold_win_rate']:.3f}" for p in r["curve"]))
+    equal = min(max(p["gold_win_rate"] for p in curves[n]) for n in names)
+    summary = {"curves": curves, "thresholds": []}
+    for label, thr in (("--threshold", args.threshold), ("highest win-rate every run's mean curve reaches", equal)):
+        times = {n: seconds_to(curves[n], thr, start_win_rate) for n in names}
+        print(f"\nseconds to gold win-rate {thr:.3f} ({label}), mean curve [per seed]; ratio TRL / run")
+        for n in names:
+            per_seed = [seconds_to(r["curve"], thr, start_win_rate) for r in by[n]]
+            ratio = times["trl"] / times[n] if times.get("trl") and times[n] else None  # None: a run never got there
+            print(f"  {n:<{width}} {_fmt(times[n]):>7} [{', '.join(_fmt(x) for x in per_seed)}]"
+                  + (f"  {ratio:.2f}x" if ratio and n != "trl" else ""))
+        summary["thresholds"].append({"win_rate": thr, "label": label, "seconds": times})
+    print("\nper run: clock s | evaluation s | process wall s | (ours) generator start s, generating s, learner "
+          "training s, learner waiting s")
     for r in results:
-        print(f"  {r['trainer']:<5} seed {r['seed']}: {r['train_seconds']:.0f} | {r['eval_seconds']:.0f} | "
-              f"{r['process_wall_seconds']:.0f} | {_fmt(r.get('learner_wait_seconds'))}")
-    for t in TRAINERS:
-        print(f"  {t:<5} mean: clock {_mean(r['train_seconds'] for r in by[t]):.0f} s, process wall "
-              f"{_mean(r['process_wall_seconds'] for r in by[t]):.0f} s")
-    return {"curves": curves, **summary}
+        extra = ""
+        if r["trainer"] == "ours":
+            s = r["summary"]
+            extra = (f" | {s['generator_start_seconds']:.0f}, {s['generate_seconds']:.0f}, {s['train_seconds']:.0f}, "
+                     f"{s['wait_seconds']:.0f}")
+        print(f"  {r['name']:<{width}} seed {r['seed']}: {r['train_seconds']:.0f} | {r['eval_seconds']:.0f} | "
+              f"{r['process_wall_seconds']:.0f}{extra}")
+    for n in names:
+        print(f"  {n:<{width}} mean: clock {_mean(r['train_seconds'] for r in by[n]):.0f} s, process wall "
+              f"{_mean(r['process_wall_seconds'] for r in by[n]):.0f} s")
+    return summary
 
 
 def _fmt(x) -> str:
@@ -244,9 +259,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--eval_every", type=int, default=20)
     p.add_argument("--eval_prompts", type=int, default=512)
-    p.add_argument("--threshold", type=float, default=0.58, help="gold win-rate both runs are timed to")
+    p.add_argument("--threshold", type=float, default=0.58, help="gold win-rate the runs are timed to")
     p.add_argument("--quick", action="store_true", help="one seed, 40 steps")
-    p.add_argument("--trainers", nargs="+", default=list(TRAINERS), choices=TRAINERS)
+    p.add_argument("--variants", nargs="+", default=[""], metavar="FLAGS",
+                   help="our runs, each one quoted string of recipe flags ('' is the default recipe); e.g. "
+                        "--variants '' '--generator_backend transformers'")
+    p.add_argument("--no_trl", action="store_true", help="only our runs")
     p.add_argument("--output_dir", default="outputs/vs_trl", help="results.json and each run's log")
     p.add_argument("--run_timeout", type=float, default=3600.0, help="seconds one run may take before it is killed")
     p.add_argument("--run", choices=TRAINERS, help=argparse.SUPPRESS)  # child mode
@@ -263,6 +281,12 @@ def main(argv: list[str] | None = None) -> None:
         args.seeds, args.steps = args.seeds[:1], 40
     if not 0 < args.threshold < 1:
         raise SystemExit(f"--threshold must be in (0, 1), got {args.threshold}")
+    runs = [] if args.no_trl else [{"name": "trl", "trainer": "trl", "flags": []}]
+    for v in args.variants:
+        flags = v.split() + ours_flags
+        runs.append({"name": "ours " + " ".join(flags) if flags else "ours", "trainer": "ours", "flags": flags})
+    if len({r["name"] for r in runs}) != len(runs):
+        raise SystemExit(f"--variants: the same flags twice ({args.variants})")
     from async_rlhf.data.prepare import prepare_builtin
 
     with open(prepare_builtin(seed=0)["manifest"]) as f:
@@ -270,13 +294,10 @@ def main(argv: list[str] | None = None) -> None:
     args.load_before = " ".join(open("/proc/loadavg").read().split()[:3]) if os.path.exists("/proc/loadavg") else "?"
     os.makedirs(args.output_dir, exist_ok=True)
     results = []
-    for i, seed in enumerate(args.seeds):  # alternate the order, so a drift in the machine's load hits both
-        for trainer in (args.trainers if i % 2 == 0 else args.trainers[::-1]):
-            results.append(run_child(trainer, seed, args, args.output_dir))
-    if set(args.trainers) != set(TRAINERS):
-        print(json.dumps(results, indent=1))
-        return
-    summary = report(results, args, start_win_rate)
+    for i, seed in enumerate(args.seeds):  # alternate the order, so a drift in the machine's load hits every run
+        for run in (runs if i % 2 == 0 else runs[::-1]):
+            results.append(run_child(run, seed, args, args.output_dir))
+    summary = report(results, runs, args, start_win_rate)  # without TRL, no ratios
     with open(os.path.join(args.output_dir, "results.json"), "w") as f:
         json.dump({"settings": {k: v for k, v in vars(args).items() if k not in ("run", "seed", "result")},
                    "runs": results, **summary}, f, indent=1)
