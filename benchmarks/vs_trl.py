@@ -91,12 +91,14 @@ def run_ours(args, script, config) -> dict:
     t0 = time.perf_counter()
     trainer = AsyncOnlineDPOTrainer(model=task.model, reward_funcs=task.reward, args=config,
                                     train_dataset=task.train_dataset)
+    build_seconds = time.perf_counter() - t0
     clock = timed_evaluation(trainer, task.evaluate, args.eval_every, args.steps, t0)
     trainer.add_callback(clock)
     trainer.train()
     s = trainer.run_summary
     return {"curve": clock.curve, "train_seconds": time.perf_counter() - clock.t0 - clock.eval_seconds,
-            "eval_seconds": clock.eval_seconds, "learner_threads": config.cpu_learner_threads(),
+            "eval_seconds": clock.eval_seconds, "build_seconds": build_seconds,
+            "learner_threads": config.cpu_learner_threads(),
             "generator_threads": config.generator_threads, "num_generations": config.num_generations,
             "generator_start_seconds": s.get("generator_start_seconds"), "learner_wait_seconds": s.get("wait_seconds"),
             "summary": {k: v for k, v in s.items() if isinstance(v, (int, float))}}
@@ -134,11 +136,13 @@ def run_trl(args, script, config) -> dict:
     t0 = time.perf_counter()
     trainer = OnlineDPOTrainer(model=task.model, reward_funcs=task.reward, args=trl_args, train_dataset=dataset,
                                processing_class=tokenizer)
+    build_seconds = time.perf_counter() - t0
     clock = timed_evaluation(trainer, task.evaluate, args.eval_every, args.steps, t0)
     trainer.add_callback(clock)
     trainer.train()
     return {"curve": clock.curve, "train_seconds": time.perf_counter() - clock.t0 - clock.eval_seconds,
-            "eval_seconds": clock.eval_seconds, "learner_threads": threads, "num_generations": 2}
+            "eval_seconds": clock.eval_seconds, "build_seconds": build_seconds, "learner_threads": threads,
+            "num_generations": 2}
 
 
 def child(args) -> None:
@@ -225,15 +229,16 @@ def report(results: list[dict], runs: list[dict], args, start_win_rate: float) -
             print(f"  {n:<{width}} {_fmt(times[n]):>7} [{', '.join(_fmt(x) for x in per_seed)}]"
                   + (f"  {ratio:.2f}x" if ratio and n != "trl" else ""))
         summary["thresholds"].append({"win_rate": thr, "label": label, "seconds": times})
-    print("\nper run: clock s | evaluation s | process wall s | (ours) generator start s, generating s, learner "
-          "training s, learner waiting s")
+    print("\nper run: clock s | building the trainer s | evaluation s | process wall s | (ours) generator start s, "
+          "generating s, learner training s, learner waiting s")
     for r in results:
         extra = ""
         if r["trainer"] == "ours":
             s = r["summary"]
             extra = (f" | {s['generator_start_seconds']:.0f}, {s['generate_seconds']:.0f}, {s['train_seconds']:.0f}, "
                      f"{s['wait_seconds']:.0f}")
-        print(f"  {r['name']:<{width}} seed {r['seed']}: {r['train_seconds']:.0f} | {r['eval_seconds']:.0f} | "
+        print(f"  {r['name']:<{width}} seed {r['seed']}: {r['train_seconds']:.0f} | {r['build_seconds']:.1f} | "
+              f"{r['eval_seconds']:.0f} | "
               f"{r['process_wall_seconds']:.0f}{extra}")
     for n in names:
         print(f"  {n:<{width}} mean: clock {_mean(r['train_seconds'] for r in by[n]):.0f} s, process wall "
