@@ -6,7 +6,7 @@
 The built-in task's SFT policy samples `--n` completions for each of `--prompts` training prompts (temperature 1,
 up to 24 tokens: what the first steps of a run train on); a chosen and a rejected row per prompt then go through
 what `AsyncOnlineDPOTrainer.compute_rollout_loss` and the optimizer do, each phase timed (median of `--repeats`
-after a warm-up), three ways: every row padded to the longest (one forward per model), rows in length buckets
+after a warm-up; the ways take turns, so a change in load hits each), four ways: every row padded to the longest (one forward per model), rows in length buckets
 (`logprobs.length_buckets`), length buckets with the shared-prefix reference (`reference_shared_prefix`), and
 both models running each prompt once (the policy with gradient: online DPO's default, `policy_shared_prefix`). Also prints the tokens each way runs and the largest log-prob difference to the padded
 forward (float tolerance).
@@ -105,21 +105,24 @@ def main(argv: list[str] | None = None) -> dict:
     ids, attn, _, _ = completion_batch(groups, tok.pad_token_id, max_length, "cpu", select)
     lengths = attn.sum(-1).tolist()
     buckets = length_buckets(lengths)
-    tokens = {"padded": ids.numel(), "buckets": sum(len(b) * max(lengths[r] for r in b) for b in buckets)}
+    tokens = {"padded": ids.numel(), "buckets": sum(len(b) * max(lengths[r] for r in b) for b in buckets),
+              "shared prefix": n * max(len(p) for p in prompts)
+              + len(select) * max(len(groups[g].completions[i].token_ids) for g, i in select)}
     print(f"policy {sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M parameters; {n} prompts x {args.n} "
           f"samples, {len(select)} rows trained; real tokens {sum(lengths)}, padded to the longest {tokens['padded']} "
           f"(width {ids.shape[1]}), in {len(buckets)} length buckets {tokens['buckets']} (widths "
-          f"{[max(lengths[r] for r in b) for b in buckets]}); {args.threads} thread(s), median of {args.repeats}")
+          f"{[max(lengths[r] for r in b) for b in buckets]}), with each prompt once {tokens['shared prefix']}; {args.threads} thread(s), median of {args.repeats}")
     baseline = step("padded")
+    diffs = {mode: float((step(mode) - baseline).abs().max()) for mode in MODES}  # warm-up, and the log-prob check
+    times: dict[str, dict[str, list[float]]] = {mode: {} for mode in MODES}
+    for _ in range(args.repeats):  # the modes take turns, so a change in the machine's load hits each of them
+        for mode in MODES:
+            step(mode, times[mode])
     results = {}
     for mode in MODES:
-        diff = float((step(mode) - baseline).abs().max())  # warm-up, and the log-prob check
-        times: dict[str, list[float]] = {}
-        for _ in range(args.repeats):
-            step(mode, times)
-        results[mode] = {phase: statistics.median(times[phase]) for phase in PHASES}
-        results[mode]["total"] = sum(results[mode][p] for p in PHASES)
-        results[mode]["max_abs_diff"] = diff
+        results[mode] = {phase: statistics.median(times[mode][phase]) for phase in PHASES}
+        results[mode]["total"] = statistics.median([sum(ts) for ts in zip(*(times[mode][p] for p in PHASES))])
+        results[mode]["max_abs_diff"] = diffs[mode]
     print(f"{'ms per step':<21}" + "".join(f"{m:>21}" for m in results))
     for phase in (*PHASES, "total"):
         print(f"{phase:<21}" + "".join(f"{1000 * results[m][phase]:>21.1f}" for m in results))

@@ -113,7 +113,7 @@ def run_trl(args, script, config) -> dict:
     from async_rlhf.prompt_stream import PromptStream
     from async_rlhf.tasks import setup_task
 
-    threads = os.cpu_count() or 1  # synchronous: every stage may use every core
+    threads = args.trl_threads or os.cpu_count() or 1  # synchronous: every stage may use every core
     torch.set_num_threads(threads)
     task = setup_task(script, config)
     tokenizer = AutoTokenizer.from_pretrained(task.model)
@@ -183,7 +183,7 @@ def run_child(run: dict, seed: int, args, result_dir: str) -> dict:
     stem = os.path.join(result_dir, f"{run['name'].replace(' ', '_').replace('-', '')}-seed{seed}")
     cmd = [sys.executable, os.path.abspath(__file__), "--run", run["trainer"], "--seed", str(seed), "--steps",
            str(args.steps), "--eval_every", str(args.eval_every), "--eval_prompts", str(args.eval_prompts),
-           "--result", stem + ".json", "--ours", *run["flags"]]
+           "--trl_threads", str(args.trl_threads), "--result", stem + ".json", "--ours", *run["flags"]]
     print(f"[vs_trl] {run['name']} seed {seed} (log: {stem}.log)", flush=True)
     t0 = time.perf_counter()
     with open(stem + ".log", "w") as log:
@@ -270,6 +270,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="our runs, each one quoted string of recipe flags ('' is the default recipe); e.g. "
                         "--variants '' '--generator_backend transformers'")
     p.add_argument("--no_trl", action="store_true", help="only our runs")
+    p.add_argument("--trl_threads", type=int, default=0,
+                   help="torch threads of TRL's run (0: every core, the fair peer on an idle machine; on a machine "
+                        "loaded by other work, 2 OpenMP threads on 2 busy cores stall each other, so use 1 there)")
     p.add_argument("--output_dir", default="outputs/vs_trl", help="results.json and each run's log")
     p.add_argument("--run_timeout", type=float, default=3600.0, help="seconds one run may take before it is killed")
     p.add_argument("--run", choices=TRAINERS, help=argparse.SUPPRESS)  # child mode
@@ -277,9 +280,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.ours_flags = ours_flags
-    if args.steps < 1 or args.eval_every < 1 or args.eval_prompts < 1:
-        raise SystemExit(f"--steps, --eval_every, --eval_prompts must be >= 1, got {args.steps}, {args.eval_every}, "
-                         f"{args.eval_prompts}")
+    if args.steps < 1 or args.eval_every < 1 or args.eval_prompts < 1 or args.trl_threads < 0:
+        raise SystemExit(f"--steps, --eval_every, --eval_prompts must be >= 1 and --trl_threads >= 0, got "
+                         f"{args.steps}, {args.eval_every}, {args.eval_prompts}, {args.trl_threads}")
     if args.run:
         return child(args)
     if args.quick:
