@@ -1,7 +1,7 @@
 """TRL 1.16's OnlineDPOTrainer against our asynchronous online DPO on the built-in task: seconds to equal gold win-rate.
 
-    python benchmarks/vs_trl.py --quick                # 1 seed, 40 steps: a smoke run (about 4 minutes on 2 cores)
-    python benchmarks/vs_trl.py                        # 3 seeds x 100 steps x both trainers (about 25 minutes)
+    python benchmarks/vs_trl.py --quick                # 1 seed, 40 steps: a smoke run (about 3 minutes on 2 cores)
+    python benchmarks/vs_trl.py                        # 3 seeds x 100 steps x both trainers (about 8 minutes)
     python benchmarks/vs_trl.py --variants '' '--generator_backend transformers' '--num_generations 4'
 
 Both trainers start from the built-in task's SFT policy, score with its proxy reward model and train on the same
