@@ -186,9 +186,10 @@ class AsyncTrainerBase(Trainer):
                                 min_p=a.min_p or 0.0, repetition_penalty=a.repetition_penalty)
 
     def packing(self) -> dict:
-        """How `logprobs.sequence_terms` packs this trainer's rows."""
+        """How `logprobs.sequence_terms` packs this trainer's rows (one forward per model under DeepSpeed)."""
         return {"pad_id": self.processing_class.pad_token_id, "max_length": self.args.max_length,
-                "device": self.accelerator.device, "shared_prefix": self.args.reference_shared_prefix}
+                "device": self.accelerator.device, "shared_prefix": self.args.reference_shared_prefix,
+                "split_forwards": not self.is_deepspeed_enabled}
 
     def micro_batch_groups(self) -> list[ScoredGroup]:
         """This rank's prompts of the current micro-batch, with their completions scored."""

@@ -56,4 +56,33 @@ def test_sequence_terms_with_a_shared_prefix_reference():
     plain = sequence_terms(MODEL, MODEL, gs, **kw)
     shared = sequence_terms(MODEL, MODEL, gs, shared_prefix=True, **kw)
     assert torch.allclose(plain.ref_logps, shared.ref_logps, atol=1e-5)
-    assert torch.equal(plain.logps, shared.logps)  # the policy's own forward is untouched
+    assert torch.allclose(plain.logps, shared.logps, atol=1e-5)  # the policy: its own (bucketed) forward
+
+
+def test_policy_shared_prefix_gives_the_unshared_log_probs_and_gradients():
+    """Online DPO's policy runs each prompt once with gradient: log-probs, drift log-probs (another temperature) and
+    every parameter's gradient equal the padded forward's."""
+    from async_rlhf.logprobs import shared_prefix_token_logps
+
+    policy = tiny_llama(TOK, seed=3).train()
+    gs = groups(2, count=6, seed=4)
+    select = [(g, 0) for g in range(6)] + [(g, 1) for g in range(6)]
+    ids, attn, comp, _ = completion_batch(gs, TOK.pad_token_id, 64, "cpu", select)
+    padded, mask, padded_drift = token_logps(policy, ids, attn, comp, drift_temperature=0.7)
+    padded.sum().backward()
+    expected = {n: p.grad.clone() for n, p in policy.named_parameters()}
+    policy.zero_grad()
+    shared, drift = shared_prefix_token_logps(policy, gs, select, mask, 64, drift_temperature=0.7)
+    shared.sum().backward()
+    assert torch.allclose(shared, padded, atol=1e-5) and torch.allclose(drift, padded_drift, atol=1e-5)
+    for name, p in policy.named_parameters():
+        assert torch.allclose(p.grad, expected[name], atol=1e-5), name
+
+
+def test_sequence_terms_with_a_shared_prefix_reference_and_policy():
+    gs = groups(2)
+    kw = dict(pad_id=TOK.pad_token_id, max_length=64, device="cpu", temperature=1.0, sampling_temperature=1.0)
+    plain = sequence_terms(MODEL, MODEL, gs, split_forwards=False, **kw)
+    shared = sequence_terms(MODEL, MODEL, gs, shared_prefix=True, policy_shared_prefix=True, **kw)
+    for field in ("logps", "ref_logps", "drift_logps", "behaviour", "mask"):
+        assert torch.allclose(getattr(plain, field), getattr(shared, field), atol=1e-5), field
