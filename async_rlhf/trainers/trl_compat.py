@@ -97,4 +97,5 @@ def set_trl_attributes(trainer, args, model, tokenizer) -> None:
     trainer.image_token_id = trainer.vision_start_token_id = trainer.vision_end_token_id = trainer.image_token = None
     trainer.generation_kwargs = generation_kwargs(args, tokenizer, trainer.eos_token_ids)
     trainer.generation_config = GenerationConfig(**trainer.generation_kwargs)
+    trainer._beta = getattr(args, "beta", None)  # TRL's private twin of `beta`; best-of-n has no KL term
 
