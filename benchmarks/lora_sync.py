@@ -28,18 +28,9 @@ import sys
 import tempfile
 import time
 
-SIZES = {"10M": (256, 10, 4), "100M": (768, 11, 12)}  # hidden, layers, heads (head size 64: vLLM CPU attention)
+from weight_load import SIZES, median_seconds  # noqa: E402  (benchmarks/ is on the path when run as a script)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def median_seconds(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def lora_policy(model_dir: str, rank: int):
@@ -143,7 +134,7 @@ def run_arm(arm: str, model_dir: str, rank: int, n_prompts: int, new_tokens: int
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--sizes", nargs="+", default=["10M", "100M"], choices=list(SIZES))
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--new_tokens", type=int, default=64)
