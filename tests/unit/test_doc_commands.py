@@ -202,6 +202,7 @@ def check_command(tokens: list[str], monkeypatch) -> str | None:
         return None
     path = os.path.join(ROOT, script)
     assert os.path.isfile(path), f"{script} does not exist"
+    monkeypatch.syspath_prepend(os.path.dirname(path))  # as `python script.py` puts the script's folder first
     module = _load_file(path)
     _run_parse_step(module, tokens[1:], monkeypatch, recipe=script.startswith("recipes/"))
     return script
