@@ -88,11 +88,13 @@ def splits(dev: DeviceProfile, gpus: int, nodes: int, any_node_generators: bool)
 
 
 def evaluate_split(shape: ModelShape, dev: DeviceProfile, w: cm.Workload, learners: int, generators: int, tp: int,
-                   nodes: int, staleness=range(5), seeds: int = 1, devices: int | None = None) -> list[Evaluated]:
+                   nodes: int, staleness=range(5), seeds: int = 1, devices: int | None = None,
+                   micro_batch: int | None = None) -> list[Evaluated]:
+    """Each staleness of one split with its fastest fitting learner set-up (of micro-batch `micro_batch` if given)."""
     gen_mem = cm.generator_memory(shape, dev, w, tp)
     if gen_mem["max_running"] < 1:
         return []
-    setups = learner_setups(shape, dev, w, learners, nodes)
+    setups = [s for s in learner_setups(shape, dev, w, learners, nodes) if micro_batch in (None, s[4])]
     if not setups:
         return []
     train, mem, stage, offload, mb = setups[0]

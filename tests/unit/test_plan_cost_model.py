@@ -114,3 +114,14 @@ def test_a_measured_profile_replaces_what_it_measured(tmp_path):
     path.write_text(json.dumps({"device": {"flops": 1.0}}))
     with pytest.raises(ValueError, match="flops"):
         load_profile(str(path))
+
+
+def test_evaluate_split_at_a_given_micro_batch():
+    w = cm.Workload(prompts_per_step=64)
+    shape = shape_for_size("8B")
+    fastest = sr.evaluate_split(shape, H100, w, 4, 1, 4, 1, staleness=[1])
+    assert len(fastest) == 1
+    for mb in (1, 2, 4):
+        (e,) = sr.evaluate_split(shape, H100, w, 4, 1, 4, 1, staleness=[1], micro_batch=mb)
+        assert e.plan.micro_batch == mb and e.train_seconds >= fastest[0].train_seconds
+    assert sr.evaluate_split(shape, H100, w, 4, 1, 4, 1, staleness=[1], micro_batch=3) == []  # 3 does not divide 16
