@@ -30,7 +30,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--gpus", type=int, required=True, help="devices in all (learners + generators)")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpu_type", default="H100", help="H100, H200, A100, L40S or cpu (analytical, or measured: cpu)")
-    p.add_argument("--profile", help="a profile measured by benchmarks/profile.py (replaces what it measured)")
+    p.add_argument("--profile", help="a profile measured by benchmarks/device_profile.py (replaces what it measured)")
     p.add_argument("--prompts_per_step", type=int, default=64)
     p.add_argument("--n", type=int, default=2, help="samples per prompt (num_generations)")
     p.add_argument("--prompt_length", type=int, default=256, help="tokens")

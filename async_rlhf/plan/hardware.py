@@ -4,7 +4,7 @@ The GPU profiles below are **analytical**: vendor datasheet peaks (dense bf16 te
 NVLink / PCIe bandwidth per direction, a 400 Gb/s (H100, H200) or 200 Gb/s (A100, L40S) network port per GPU)
 times efficiencies that are assumptions, not measurements (training MFU 0.40, decode at 0.6 of HBM bandwidth,
 collectives at 0.7 of link bandwidth). The `cpu` profile holds what was measured on the 2-core AMD EPYC machine
-this project is developed on, for the built-in task's policy (docs/planning.md). `python benchmarks/profile.py --model PATH
+this project is developed on, for the built-in task's policy (docs/planning.md). `python benchmarks/device_profile.py --model PATH
 --output profile.json` measures the machine at hand; `--profile profile.json` makes the planner use it
 (`load_profile`), and whatever it measured replaces the analytical value.
 """
@@ -77,12 +77,12 @@ def get_profile(gpu_type: str) -> DeviceProfile:
     key = next((k for k in PROFILES if k.lower() == key.lower()), key)
     if key not in PROFILES:
         raise ValueError(f"gpu_type: unknown device {gpu_type!r}; known: {sorted(PROFILES)} "
-                         "(or measure one: python benchmarks/profile.py --model PATH --output profile.json)")
+                         "(or measure one: python benchmarks/device_profile.py --model PATH --output profile.json)")
     return PROFILES[key]
 
 
 def load_profile(path: str, base: DeviceProfile | None = None) -> DeviceProfile:
-    """A profile written by `benchmarks/profile.py`, over `base` (default: the `cpu` profile): what was measured
+    """A profile written by `benchmarks/device_profile.py`, over `base` (default: the `cpu` profile): what was measured
     replaces the base's value; the source says so."""
     with open(path) as f:
         data = json.load(f)

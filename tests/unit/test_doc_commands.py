@@ -273,3 +273,11 @@ def test_list_of_numbers_and_yaml_strings_split_too(tmp_path):
     path.write_text("generator_servers: 'a:1,b:2'\nreward_weights: '2, 3'\n")
     _, config = parse_args((ScriptArguments, AsyncOnlineDPOConfig), ["--config", str(path)])
     assert config.generator_servers == ["a:1", "b:2"] and config.reward_weights == [2.0, 3.0]
+
+
+def test_no_script_shadows_the_standard_library():
+    # `python benchmarks/x.py` puts benchmarks/ first on the import path: a benchmarks/profile.py stood in for the
+    # standard library's `profile`, which cProfile (imported by torch._dynamo) needs
+    for folder in ("benchmarks", "recipes", "examples", "scripts"):
+        names = {f[:-3] for f in os.listdir(os.path.join(ROOT, folder)) if f.endswith(".py")}
+        assert not names & set(sys.stdlib_module_names), f"{folder}/ shadows {sorted(names & set(sys.stdlib_module_names))}"

@@ -99,7 +99,7 @@ def test_a_measured_profile_replaces_what_it_measured(tmp_path):
     from async_rlhf.plan.hardware import load_profile
 
     path = tmp_path / "profile.json"
-    path.write_text(json.dumps({  # the shape benchmarks/profile.py writes
+    path.write_text(json.dumps({  # the shape benchmarks/device_profile.py writes
         "machine": "test box", "model": {"params": 1.2e6}, "device": {"kind": "cpu", "name": "CPU (2 cores)"},
         "generation": {"fit": {"overhead_s": 0.002, "per_seq_s": 0.0003}, "prefill_token_s": 4e-5},
         "learner": {"tokens_per_s": 8000.0},

@@ -1,6 +1,6 @@
 """Measure a device profile for the planner on the machine at hand (`python -m async_rlhf.plan --profile ...`).
 
-    python benchmarks/profile.py --model ~/.cache/async_rlhf/builtin-v5/sft_model --output profile.json
+    python benchmarks/device_profile.py --model ~/.cache/async_rlhf/builtin-v5/sft_model --output profile.json
 
 Measures, with one thread per process as our CPU runs use (`--threads`):
 - generation: our vLLM backend's engine (`VLLMBackend`, the one generator processes run) sampling fixed-length
@@ -25,11 +25,9 @@ import sys
 import tempfile
 import time
 
-# this file's name shadows the standard library's `profile` (which cProfile, imported by vLLM, needs): take its
-# directory off the import path, and put the repository root on it
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
-sys.path.insert(0, os.path.dirname(HERE))
+if os.path.dirname(HERE) not in sys.path:
+    sys.path.insert(0, os.path.dirname(HERE))
 
 
 def _median(fn, repeats: int) -> float:
