@@ -158,14 +158,14 @@ class PartialRollouts:
         with self._cond:
             keys = sorted(self.open)
             return ({"next_group": self.next_group, "open": [[b, j, self.open[(b, j)].attempt] for b, j in keys],
-                     "dropped": self.dropped, "carried": self.carried},
+                     "dropped": self.dropped, "carried": self.carried, "trained": self.trained},
                     [self.open[k].rollouts for k in keys if self.open[k].rollouts is not None])
 
     def restore(self, state: dict, finished: list[RolloutBatch], version: int) -> None:
         """From a checkpoint saved at `version`: finished groups as they were, unfinished ones to send again."""
         self.step = version
         self.next_group = int(state["next_group"])
-        self.dropped, self.carried = int(state.get("dropped", 0)), int(state.get("carried", 0))
+        self.dropped, self.carried, self.trained = (int(state.get(k, 0)) for k in ("dropped", "carried", "trained"))
         self.open = {(b, j): _Group(version, attempt=a) for b, j, a in state["open"]}
         for part in finished:
             g = self.open.get((part.batch_id, part.chunk))
