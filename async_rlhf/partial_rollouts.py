@@ -102,9 +102,10 @@ class PartialRollouts:
                 chosen = self._choose(step)
                 if chosen is not None:
                     return self._close(step, chosen)
-                self._cond.wait(min(1.0, max(0.0, deadline - time.monotonic())))
-                if time.monotonic() > deadline:
+                left = deadline - time.monotonic()
+                if left <= 0:
                     raise StageTimeout(self._timeout_message(step, timeout))
+                self._cond.wait(min(1.0, left))
             dispatch()
             poll()
 
@@ -193,4 +194,7 @@ def restore_partial(partial: PartialRollouts | None, setting: int, version: int,
             f"this run has partial_rollouts={setting}; resume with the setting it was saved with (rollouts in flight "
             "are kept differently)")
     if state is not None and partial is not None:
-        partial.restore(state, pending, version)
+        try:
+            partial.restore(state, pending, version)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"resume_from_checkpoint: partial rollouts' state is malformed: {exc}") from exc

@@ -105,7 +105,7 @@ class RolloutPipeline:
         self.latency = [0.0, 0.0, 0]  # summed dispatch -> queued and last part arrived -> queued seconds; batches
         # partial rollouts (`partial_rollouts.py`): steps gather finished groups of several admitted batches
         self.partial = (PartialRollouts(args.prompts_per_step, args.max_staleness, args.partial_rollouts, self._send)
-                        if args.partial_rollouts else None)
+                        if getattr(args, "partial_rollouts", 0) else None)
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     def start(self, initial_version: int = 0, pending: list[RolloutBatch] = (), counters: dict | None = None) -> None:
@@ -117,7 +117,7 @@ class RolloutPipeline:
             return
         self.restore_counters(counters or {})
         if self.partial is not None or (counters or {}).get("partial"):
-            restore_partial(self.partial, self.args.partial_rollouts, initial_version, pending, counters or {})
+            restore_partial(self.partial, getattr(self.args, "partial_rollouts", 0), initial_version, pending, counters or {})
         else:
             for batch in pending:
                 if batch.batch_id >= initial_version:
