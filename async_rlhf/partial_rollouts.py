@@ -140,8 +140,9 @@ class PartialRollouts:
         ready = sum(g.rollouts is not None for g in self.open.values())
         waiting = sorted(k for k, g in self.open.items() if g.rollouts is None)
         return (f"rollout queue: step {step} did not get {self.P} finished groups from the generators within "
-                f"{timeout:.0f}s ({ready} finished; still generating: {waiting[:8]}{' ...' if len(waiting) > 8 else ''})."
-                f" A generator is stalled or too slow; raise rollout_timeout if generation is legitimately this slow.")
+                f"{timeout:.0f}s ({ready} finished; still generating: {waiting[:8]}"
+                f"{' ...' if len(waiting) > 8 else ''}). A generator is stalled or too slow; raise rollout_timeout "
+                "if generation is legitimately this slow.")
 
     # ---- reader thread ---------------------------------------------------------------------------------------------
     def arrived(self, part: RolloutBatch) -> None:
@@ -171,7 +172,7 @@ class PartialRollouts:
         for part in finished:
             g = self.open.get((part.batch_id, part.chunk))
             if g is None:
-                raise ValueError(f"checkpoint: finished group {(part.batch_id, part.chunk)} is not among its open groups")
+                raise ValueError(f"finished group {(part.batch_id, part.chunk)} is not among the open groups")
             g.rollouts, g.to_send = part, False
 
     def stats(self) -> dict[str, float]:

@@ -117,7 +117,8 @@ class RolloutPipeline:
             return
         self.restore_counters(counters or {})
         if self.partial is not None or (counters or {}).get("partial"):
-            restore_partial(self.partial, getattr(self.args, "partial_rollouts", 0), initial_version, pending, counters or {})
+            restore_partial(self.partial, getattr(self.args, "partial_rollouts", 0), initial_version, pending,
+                            counters or {})
         else:
             for batch in pending:
                 if batch.batch_id >= initial_version:

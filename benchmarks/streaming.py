@@ -49,7 +49,8 @@ def config(args, out: str, mode: str, weight_load: str, partial: int = 0):
     return AsyncOnlineDPOConfig(
         output_dir=out, max_steps=args.steps, per_device_train_batch_size=args.batch, num_generations=2,
         max_new_tokens=args.new_tokens, max_length=args.new_tokens + 32, learning_rate=1e-5, temperature=1.0,
-        max_staleness=args.max_staleness, partial_rollouts=partial, generator_backend="vllm", generator_devices=["cpu"] * args.generators,
+        max_staleness=args.max_staleness, partial_rollouts=partial, generator_backend="vllm",
+        generator_devices=["cpu"] * args.generators,
         generator_threads=1, learner_threads=1, generation_mode=mode, weight_load=weight_load,
         logging_steps=1000, save_strategy="no", seed=0, disable_tqdm=True, report_to=[],
     )
@@ -149,7 +150,8 @@ def main(argv: list[str] | None = None) -> None:
     from async_rlhf.data.tiny_model import save_tiny_model
 
     model_dir = save_tiny_model(tempfile.mkdtemp(prefix="bench-model-"))
-    runs = [(n, m, w, args.partial if p else 0) for n, m, w, p in RUNS if n in args.runs and (not p or args.partial)]
+    runs = [(n, m, w, args.partial if p else 0) for n, m, w, p in RUNS
+            if n in args.runs and (not p or args.partial)]
     results = {name: run(args, model_dir, mode, wl, partial) for name, mode, wl, partial in runs}
     window = (args.max_staleness + 1) * args.batch
     best_ideal = ideal(args, model_dir, window)
