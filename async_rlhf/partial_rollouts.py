@@ -63,6 +63,7 @@ class PartialRollouts:
         self.next_group = 0  # next group of the stream to send, as b * P + j
         self.open: dict[tuple[int, int], _Group] = {}
         self.dropped = 0  # groups that arrived too stale to train, regenerated
+        self.dropped_tokens = 0  # their completion tokens (work thrown away)
         self.carried = 0  # trained groups that were still generating when an earlier step closed
         self.trained = 0
         self._cond = threading.Condition()
@@ -112,6 +113,7 @@ class PartialRollouts:
     def _drop_stale(self, step: int) -> None:
         for g in self.open.values():
             if g.rollouts is not None and g.rollouts.policy_version < step - self.S:
+                self.dropped_tokens += g.rollouts.num_tokens
                 g.rollouts, g.attempt, g.to_send = None, g.attempt + 1, True
                 self.dropped += 1
 
@@ -160,14 +162,16 @@ class PartialRollouts:
         with self._cond:
             keys = sorted(self.open)
             return ({"next_group": self.next_group, "open": [[b, j, self.open[(b, j)].attempt] for b, j in keys],
-                     "dropped": self.dropped, "carried": self.carried, "trained": self.trained},
+                     "dropped": self.dropped, "carried": self.carried, "trained": self.trained,
+                     "dropped_tokens": self.dropped_tokens},
                     [self.open[k].rollouts for k in keys if self.open[k].rollouts is not None])
 
     def restore(self, state: dict, finished: list[RolloutBatch], version: int) -> None:
         """From a checkpoint saved at `version`: finished groups as they were, unfinished ones to send again."""
         self.step = version
         self.next_group = int(state["next_group"])
-        self.dropped, self.carried, self.trained = (int(state.get(k, 0)) for k in ("dropped", "carried", "trained"))
+        self.dropped, self.carried, self.trained, self.dropped_tokens = (
+            int(state.get(k, 0)) for k in ("dropped", "carried", "trained", "dropped_tokens"))
         self.open = {(b, j): _Group(version, attempt=a) for b, j, a in state["open"]}
         for part in finished:
             g = self.open.get((part.batch_id, part.chunk))
@@ -180,6 +184,7 @@ class PartialRollouts:
             finished = sum(g.rollouts is not None for g in self.open.values())
             return {"partial/open": float(len(self.open)), "partial/finished_waiting": float(finished),
                     "partial/carried": float(self.carried), "partial/dropped": float(self.dropped),
+                    "partial/dropped_tokens": float(self.dropped_tokens),
                     "partial/carried_fraction": self.carried / self.trained if self.trained else 0.0}
 
 

@@ -172,7 +172,8 @@ def main(argv: list[str] | None = None) -> None:
         imb = f"{imb['imbalance']:.2f} ({imb['imbalance_count_split']:.2f})" if imb else ""
         busy = s["generator_busy_seconds"] / (s["generators"] * s["loop_seconds"])
         pr = s.get("partial_rollouts")
-        pr = f"  carried {pr['carried']:.0f}, dropped {pr['dropped']:.0f} groups" if pr else ""
+        pr = (f"  carried {pr['carried']:.0f}, dropped {pr['dropped']:.0f} groups ("
+              f"{pr['dropped_tokens'] / (pr['dropped_tokens'] + s['generated_tokens']):.2f} of the tokens)") if pr else ""
         print(f"{name:18} {rate:9.2f} {rate / base:7.2f}x {rate / ideals[name]:8.2f} "
               f"{s['wait_seconds'] / s['loop_seconds']:6.2f} {busy:8.2f} {imb:>24}{pr}")
     print(f"{'ideal':18} {best_ideal:9.2f} {best_ideal / base:7.2f}x {1.0:8.2f}")
