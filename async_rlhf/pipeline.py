@@ -6,7 +6,8 @@ nothing and receive each step's rollouts from rank 0 by broadcast.
 
 Step protocol, per optimizer step b (every learner rank calls both, in this order):
 1. `batch_for_step(b)`: rank 0 waits (at most `rollout_timeout`) for batch b, checks its staleness
-   (version >= b - max_staleness, else drops and regenerates it), and broadcasts it to all ranks.
+   (version >= b - max_staleness, else drops and regenerates it), and broadcasts it to all ranks. With
+   `partial_rollouts` the batch is instead the first finished groups within the bound (`partial_rollouts.py`).
 2. After the optimizer step, `after_optimizer_step(model, b + 1)`: every `sync_every` steps the weights are
    gathered (a collective, for sharded learners), published, and queued to every generator; then rank 0
    dispatches every batch that admission now allows (batch c is sent once the queued version >= c - S).
