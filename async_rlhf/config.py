@@ -99,6 +99,15 @@ class AsyncRLConfig(TrainingArguments):
                   "version and behaviour log-prob it was sampled with, and the staleness bound applies to the "
                   "oldest token)."},
     )
+    partial_rollouts: int = field(
+        default=0,
+        metadata={"help": "Partial rollouts (APRIL): keep this many prompt groups in flight beyond what admission "
+                  "allows; a step trains the first prompts_per_step groups to finish within the staleness bound "
+                  "(oldest version first) and the unfinished ones keep generating for later steps. A group that "
+                  "could only be trained past max_staleness is dropped, counted and regenerated, and its second "
+                  "attempt is waited for. 0: off (each step trains its own batch). Needs generation_mode 'stream', "
+                  "weight_load 'in_flight' and max_staleness >= 1."},
+    )
     generator_assignment: str = field(
         default="tokens",
         metadata={"help": "How a streamed batch's groups are spread over several generators: 'tokens' (by expected "
@@ -269,6 +278,7 @@ class AsyncRLConfig(TrainingArguments):
         _require(self.generation_mode != "stream" or self.generator_backend != "transformers" or self.generator_servers,
                  "generation_mode", "'stream' needs generator_backend='vllm' (transformers samples whole batches)")
         self._check_generator_servers()
+        self._check_partial_rollouts()
         check_dir("shm_dir", self.shm_dir)
         _require(self.reward_failure in REWARD_FAILURE_POLICIES, "reward_failure",
                  f"{self.reward_failure!r} is not one of {REWARD_FAILURE_POLICIES}")
@@ -328,6 +338,24 @@ class AsyncRLConfig(TrainingArguments):
         if self.generation_mode == "auto":
             return self.generator_backend == "vllm" or bool(self.generator_servers)
         return self.generation_mode == "stream"
+
+    def _check_partial_rollouts(self) -> None:
+        """Groups carried across steps keep generating while weights change: only in-flight loads let them (with
+        'drain' a weight update would wait behind groups that never stop coming), and only streaming generators
+        answer group by group."""
+        p = self.partial_rollouts
+        _require(isinstance(p, int) and p >= 0, "partial_rollouts", f"must be an integer >= 0, got {p!r}")
+        if not p:
+            return
+        for ok, what in ((self.max_staleness >= 1, f"max_staleness >= 1 (got {self.max_staleness}: nothing can be "
+                                                   "carried past a step)"),
+                         (self.generation_mode != "batch" and self.generator_backend != "transformers",
+                          f"streaming generators (got generation_mode={self.generation_mode!r}, "
+                          f"generator_backend={self.generator_backend!r})"),
+                         (self.weight_load == "in_flight", f"weight_load='in_flight' (got {self.weight_load!r}: with "
+                                                           "'drain' weights wait for every running group)"),
+                         (not self.generator_servers, "local generators (generator_servers is not supported yet)")):
+            _require(ok, "partial_rollouts", f"partial_rollouts={p} needs {what}")
 
     def _check_generator_servers(self) -> None:
         from async_rlhf.generation.http_client import base_url

@@ -6,7 +6,8 @@ nothing and receive each step's rollouts from rank 0 by broadcast.
 
 Step protocol, per optimizer step b (every learner rank calls both, in this order):
 1. `batch_for_step(b)`: rank 0 waits (at most `rollout_timeout`) for batch b, checks its staleness
-   (version >= b - max_staleness, else drops and regenerates it), and broadcasts it to all ranks.
+   (version >= b - max_staleness, else drops and regenerates it), and broadcasts it to all ranks. With
+   `partial_rollouts` the batch is instead the first finished groups within the bound (`partial_rollouts.py`).
 2. After the optimizer step, `after_optimizer_step(model, b + 1)`: every `sync_every` steps the weights are
    gathered (a collective, for sharded learners), published, and queued to every generator; then rank 0
    dispatches every batch that admission now allows (batch c is sent once the queued version >= c - S).
@@ -42,6 +43,7 @@ from async_rlhf.generation.assignment import LengthEstimator, assign, imbalance
 from async_rlhf.generation.pool import GeneratorPool
 from async_rlhf.generation.pool_protocol import GeneratorFailed, GeneratorPoolProtocol
 from async_rlhf.generation.worker import GeneratorSpec
+from async_rlhf.partial_rollouts import PartialRollouts, restore_partial
 from async_rlhf.prompt_stream import PromptStream
 from async_rlhf.staleness_queue import StageTimeout, StalenessQueue
 from async_rlhf.types import GenerationRequest, RolloutBatch, SamplingSettings
@@ -102,6 +104,9 @@ class RolloutPipeline:
         self._arrived_at: dict[int, float] = {}
         self.length_counts: collections.Counter = collections.Counter()  # completion tokens: samples (reader thread)
         self.latency = [0.0, 0.0, 0]  # summed dispatch -> queued and last part arrived -> queued seconds; batches
+        # partial rollouts (`partial_rollouts.py`): steps gather finished groups of several admitted batches
+        self.partial = (PartialRollouts(args.prompts_per_step, args.max_staleness, args.partial_rollouts, self._send)
+                        if getattr(args, "partial_rollouts", 0) else None)
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     def start(self, initial_version: int = 0, pending: list[RolloutBatch] = (), counters: dict | None = None) -> None:
@@ -112,9 +117,13 @@ class RolloutPipeline:
         if not self.is_main:
             return
         self.restore_counters(counters or {})
-        for batch in pending:
-            if batch.batch_id >= initial_version:
-                self.queue.put(batch)
+        if self.partial is not None or (counters or {}).get("partial"):
+            restore_partial(self.partial, getattr(self.args, "partial_rollouts", 0), initial_version, pending,
+                            counters or {})
+        else:
+            for batch in pending:
+                if batch.batch_id >= initial_version:
+                    self.queue.put(batch)
         if initial_version >= self.total_steps:  # resumed from the final checkpoint: nothing left to generate
             return
         if self._score is not None:
@@ -150,6 +159,12 @@ class RolloutPipeline:
         self.pool_size = self.pool.num_generators
         self._dispatch()
 
+    def pending(self, step: int) -> list[RolloutBatch]:
+        """Rollouts generated but not trained yet, for a checkpoint at `step` (finished groups with partial rollouts)."""
+        if self.partial is not None:
+            return self.partial.state()[1]
+        return [b for b in self.queue.pending() if b.batch_id >= step]
+
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()  # first: it may still record the acknowledgements of the last weights
@@ -180,6 +195,10 @@ class RolloutPipeline:
             try:
                 if self._sync_failure is not None:
                     raise self._sync_failure
+                while batch is None and self.partial is not None:
+                    self._dispatch()
+                    batch = self.partial.take(step, self.args.rollout_timeout, self._check, self._dispatch)
+                    self.queue.staleness_counts[step - batch.policy_version] += 1
                 while batch is None:
                     self._dispatch()
                     batch = self.queue.get(step, learner_version=step, timeout=self.args.rollout_timeout,
@@ -243,40 +262,47 @@ class RolloutPipeline:
 
     # ---- dispatch ----------------------------------------------------------------------------------------
     def _dispatch(self) -> None:
+        if self.partial is not None:
+            self.partial.dispatch(self.queued_version, self.total_steps)
+            return
         while self.next_dispatch < self.total_steps and self.queue.admissible(self.next_dispatch, self.queued_version):
             if self.next_dispatch not in self.queue:  # restored from a checkpoint: already generated
                 self._send(self.next_dispatch)
             self.next_dispatch += 1
 
-    def _send(self, batch_id: int) -> None:
+    def _send(self, batch_id: int, indices: list[int] | None = None, attempt: int = 0) -> None:
         """Send batch `batch_id` to the generators (all of them work on every batch, so adding generators cuts the
         latency of each step, which is what matters at low staleness). Streaming: one request per prompt group, each
         to a generator chosen by expected token load (`generator_assignment`, `assignment.py`). Batch-level: one
-        contiguous chunk of equal prompt count per generator."""
+        contiguous chunk of equal prompt count per generator. `indices` (streaming): only those groups; `attempt` > 0: a
+        group regenerated after it arrived too stale (partial rollouts), with seeds of its own."""
         ids = self.stream.prompts_for_step(batch_id)
         g = self.pool.num_generators
         self._dispatched_at.setdefault(batch_id, time.perf_counter())
         if self.args.streaming:
             bounds = list(range(len(ids) + 1))
-            owners = [(batch_id + i) % g for i in range(len(ids))]
+            chunks = list(range(len(ids))) if indices is None else indices
+            owners = [(batch_id + i) % g for i in chunks]
             if self.args.generator_assignment == "tokens" and g > 1:
                 with self._load_lock:
                     in_flight = [self._in_flight_tokens[k] for k in range(g)]
-                owners = assign([self._expected_tokens(i) for i in ids], in_flight)
+                owners = assign([self._expected_tokens(ids[i]) for i in chunks], in_flight)
         else:
-            chunks = min(g, len(ids))
-            bounds = [round(i * len(ids) / chunks) for i in range(chunks + 1)]
-            owners = [(batch_id + c) % g for c in range(chunks)]
-        for c, owner in enumerate(owners):
+            num = min(g, len(ids))
+            bounds = [round(i * len(ids) / num) for i in range(num + 1)]
+            owners = [(batch_id + c) % g for c in range(num)]
+            chunks = list(range(num))
+        for c, owner in zip(chunks, owners):
             part = ids[bounds[c]:bounds[c + 1]]
             # backends seed sample i of prompt p with seed + p*n + i: offsetting by the chunk's first prompt gives
             # every (batch, prompt, sample) its own stream, reproducible on regeneration and after resume, and the
             # same whether the batch goes whole, in chunks or group by group
             seed = (None if self.settings.seed is None
-                    else (self.settings.seed * 1_000_003 + batch_id) * 1_000_003 + bounds[c] * self.settings.n)
+                    else (self.settings.seed * 1_000_003 + batch_id) * 1_000_003 + bounds[c] * self.settings.n
+                    + attempt * 1_000_000_007)
             settings = dataclasses.replace(self.settings, seed=seed)
             request = GenerationRequest(batch_id, part, [self.prompt_token_ids[i] for i in part], settings,
-                                        chunk=c, num_chunks=len(owners),
+                                        chunk=c, num_chunks=len(bounds) - 1,
                                         max_new_tokens=[self.budgets[i] for i in part] if self.budgets else [])
             expected = sum(self._expected_tokens(i) for i in part)
             with self._load_lock:
@@ -305,7 +331,11 @@ class RolloutPipeline:
             self._assemble(part)
 
     def _assemble(self, part: RolloutBatch) -> bool:
-        """Reassemble a batch from its parts; a complete batch goes into the staleness queue (returns True)."""
+        """Reassemble a batch from its parts; a complete batch goes into the staleness queue (returns True). With
+        partial rollouts each group stands alone, waiting for a step to take it."""
+        if self.partial is not None:
+            self.partial.arrived(part)
+            return True
         parts = self._partial.setdefault(part.batch_id, {})
         parts[part.chunk] = part
         if len(parts) < part.num_chunks:
@@ -326,23 +356,15 @@ class RolloutPipeline:
         if part.num_chunks == 1:
             self.queue.put(part)
             return True
-        scored = all(p.rewards for p in ordered)
-        self.queue.put(RolloutBatch(
-            batch_id=part.batch_id, generator_id=-1, policy_version=min(p.policy_version for p in ordered),
-            prompt_ids=[i for p in ordered for i in p.prompt_ids],
-            prompt_token_ids=[t for p in ordered for t in p.prompt_token_ids],
-            completions=[c for p in ordered for c in p.completions],
-            seconds=max(p.seconds for p in ordered),
-            rewards=[r for p in ordered for r in p.rewards] if scored else [],
-            reward_components={name: [r for p in ordered for r in p.reward_components[name]]
-                               for name in ordered[0].reward_components} if scored else {}))
+        self.queue.put(RolloutBatch.merged(part.batch_id, ordered))
         return True
 
     # ---- checkpoint state ------------------------------------------------------------------------------------
     def counters(self) -> dict:
         return {"staleness_counts": {str(k): v for k, v in self.queue.staleness_counts.items()},
                 "dropped": self.queue.dropped, "regenerated": self.regenerated,
-                "sync_bytes": self.sync_bytes, "syncs": self.syncs}
+                "sync_bytes": self.sync_bytes, "syncs": self.syncs,
+                **({"partial": self.partial.state()[0]} if self.partial is not None else {})}
 
     def restore_counters(self, c: dict) -> None:
         self.queue.staleness_counts.update({int(k): v for k, v in c.get("staleness_counts", {}).items()})
@@ -387,6 +409,8 @@ class RolloutPipeline:
         if self.pool is not None:
             self.busy_seconds = sum(self.pool.acks.busy_seconds.values())
         out["generator/busy_seconds"] = self.busy_seconds
+        if self.partial is not None:
+            out.update(self.partial.stats())
         if self.scoring is not None:
             out["scoring/seconds"] = self.scoring.seconds
             out["scoring/hidden_fraction"] = self.scoring.hidden_fraction

@@ -54,6 +54,8 @@ def build_summary(pipeline, args, accelerator, steps: int, wall: float, loop_sec
                      "zero_stage": getattr(accelerator.state.deepspeed_plugin, "zero_stage", None)},
         "final": {k: v for k, v in last_metrics.items() if k in FINAL_METRICS},
     }
+    if p.partial is not None:  # partial rollouts: groups carried across steps, and dropped for staleness
+        summary["partial_rollouts"] = {k.split("/")[1]: v for k, v in stats.items() if k.startswith("partial/")}
     # the simulator fed with this run's stage times: its predicted step time, and a faster set-up if it finds one
     summary["plan"] = feedback(summary, args, accelerator.num_processes)
     return summary

@@ -166,6 +166,9 @@ class RolloutBatch:
     # learner scores the batch itself. [P][n] combined reward (None: skipped), and each reward function's raw scores.
     rewards: list[list[float | None]] = field(default_factory=list)
     reward_components: dict[str, list[list[float | None]]] = field(default_factory=dict)
+    # [P] [batch, index] of each group in the prompt stream, when a step's batch is gathered from groups of several
+    # admitted batches (partial rollouts, `partial_rollouts.py`); empty: the groups are batch `batch_id`'s own
+    origins: list[list[int]] = field(default_factory=list)
     kind = "rollouts"
 
     @property
@@ -187,23 +190,45 @@ class RolloutBatch:
                                                               default=self.policy_version)] for c in group]
                 for group in self.completions]
 
+    def group_versions(self) -> list[list[int]]:
+        """[P] [oldest, newest] weight version of any token of each group (its version span)."""
+        return [[min(o for o, _ in group), max(n for _, n in group)] if group else [self.policy_version] * 2
+                for group in self.sample_versions()]
+
+    @classmethod
+    def merged(cls, batch_id: int, parts: list[RolloutBatch], origins: list[list[int]] | None = None) -> RolloutBatch:
+        """One batch of `parts` in order; its version is the oldest part's (the bound holds for every sample). Rewards
+        travel only when every part was scored."""
+        scored = all(p.rewards for p in parts)
+        return cls(batch_id=batch_id, generator_id=-1, policy_version=min(p.policy_version for p in parts),
+                   prompt_ids=[i for p in parts for i in p.prompt_ids],
+                   prompt_token_ids=[t for p in parts for t in p.prompt_token_ids],
+                   completions=[c for p in parts for c in p.completions], seconds=max(p.seconds for p in parts),
+                   rewards=[r for p in parts for r in p.rewards] if scored else [],
+                   reward_components={name: [r for p in parts for r in p.reward_components[name]]
+                                      for name in parts[0].reward_components} if scored else {},
+                   origins=origins or [])
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d) -> RolloutBatch:
         """The one reader of `to_dict()`'s output: checkpoints, other learner ranks and the network all use it."""
-        if isinstance(d, dict):  # written before rewards could travel with the rollouts
-            d = {"rewards": [], "reward_components": {}, **d}
+        if isinstance(d, dict):  # written before rewards (then origins) could travel with the rollouts
+            d = {"rewards": [], "reward_components": {}, "origins": [], **d}
         scores = list_of(list_of(optional(number)))
         f = check_fields(d, "rollouts", {
             "batch_id": nonneg, "generator_id": integer, "policy_version": nonneg, "prompt_ids": list_of(nonneg),
             "prompt_token_ids": list_of(list_of(nonneg)), "completions": list_of(list_of(Completion.from_dict)),
             "seconds": number, "chunk": nonneg, "num_chunks": nonneg, "rewards": scores,
-            "reward_components": dict_of(scores)}, ignore=("kind", "token"))
+            "reward_components": dict_of(scores), "origins": list_of(list_of(nonneg))},
+            ignore=("kind", "token"))
         if not len(f["prompt_ids"]) == len(f["prompt_token_ids"]) == len(f["completions"]):
             raise FieldError(f"rollouts: {len(f['prompt_ids'])} prompt ids, {len(f['prompt_token_ids'])} prompts and "
                              f"{len(f['completions'])} completion groups")
+        if f["origins"] and (len(f["origins"]) != len(f["prompt_ids"]) or any(len(o) != 2 for o in f["origins"])):
+            raise FieldError(f"rollouts: origins must be empty or one [batch, index] per prompt, got {f['origins']}")
         shape = [len(g) for g in f["completions"]]
         for name, values in [("rewards", f["rewards"]), *f["reward_components"].items()]:
             if values and [len(g) for g in values] != shape:

@@ -2,21 +2,25 @@
 
     python benchmarks/streaming.py --quick       # 6 steps each, about 3 minutes on 2 cores
     python benchmarks/streaming.py --steps 12 --generators 2
+    python benchmarks/streaming.py --steps 12 --max_staleness 2 --partial 8
 
 The workload: online DPO on the toy task with a tiny random Llama that rarely samples EOS, each prompt with its own
 completion budget drawn from a lognormal (`--lengths MEAN CV`, default 48 and 1.0, capped at `--new_tokens` 224:
 `toy_prompts(lengths=...)`), so lengths are heavy-tailed and follow the prompt: most samples are short and a few
 run to the cap, the shape that makes one `generate()` per batch wait on its longest sample. `--lengths 0 0`: no
 budgets, lengths near-geometric up to the cap. One learner process and
-`--generators` vLLM generator processes, one CPU thread each, `max_staleness` 1, a weight sync every step.
+`--generators` vLLM generator processes, one CPU thread each, `--max_staleness` (default 1), a weight sync every
+step.
 
 Runs, each the real trainer and pipeline (times are of the training loop; engine start-up excluded):
   batch               generation_mode=batch: one generate call per batch (chunk), the baseline
   stream/drain        one request per prompt group, weights loaded once the running samples end
   stream/in_flight    the same, weights loaded between two engine steps (per-token versions)
+  partial             stream/in_flight with `partial_rollouts` = `--partial` extra groups in flight (0: not run):
+                      a step closes on the first groups to finish, the rest are carried
 and the ideal: the same prompts and seeds sampled by one in-process engine that never drains and never waits for a
-learner, with as many groups in flight as two steps hold (a group enters the moment another leaves), at the
-initial policy. Reported: samples/s, learner wait as a fraction of the loop, generator busy fraction (time its
+learner, with as many groups in flight as `max_staleness + 1` steps hold (a group enters the moment another
+leaves), at the initial policy; for the partial run, that many plus `--partial` (its own ideal, `ideal+partial`). Reported: samples/s, learner wait as a fraction of the loop, generator busy fraction (time its
 engine spent sampling, over the loop), generator imbalance with several
 generators, each run's speed-up over batch-level and its fraction of the ideal (samples/s over the ideal's).
 """
@@ -30,18 +34,23 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+# our directory off the path: its profile.py shadows the standard library's, which torch and vLLM import
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
+sys.path.insert(0, os.path.dirname(HERE))
 
-RUNS = (("batch", "batch", "drain"), ("stream/drain", "stream", "drain"), ("stream/in_flight", "stream", "in_flight"))
+RUNS = (("batch", "batch", "drain", 0), ("stream/drain", "stream", "drain", 0),
+        ("stream/in_flight", "stream", "in_flight", 0), ("partial", "stream", "in_flight", "partial"))
 
 
-def config(args, out: str, mode: str, weight_load: str):
+def config(args, out: str, mode: str, weight_load: str, partial: int = 0):
     from async_rlhf import AsyncOnlineDPOConfig
 
     return AsyncOnlineDPOConfig(
         output_dir=out, max_steps=args.steps, per_device_train_batch_size=args.batch, num_generations=2,
         max_new_tokens=args.new_tokens, max_length=args.new_tokens + 32, learning_rate=1e-5, temperature=1.0,
-        max_staleness=1, generator_backend="vllm", generator_devices=["cpu"] * args.generators,
+        max_staleness=args.max_staleness, partial_rollouts=partial, generator_backend="vllm",
+        generator_devices=["cpu"] * args.generators,
         generator_threads=1, learner_threads=1, generation_mode=mode, weight_load=weight_load,
         logging_steps=1000, save_strategy="no", seed=0, disable_tqdm=True, report_to=[],
     )
@@ -54,18 +63,18 @@ def dataset(args):
     return toy_prompts(512, seed=0, lengths=(mean, cv, args.new_tokens) if mean else None)
 
 
-def run(args, model_dir: str, mode: str, weight_load: str) -> dict:
+def run(args, model_dir: str, mode: str, weight_load: str, partial: int) -> dict:
     from async_rlhf import AsyncOnlineDPOTrainer
     from async_rlhf.data.toy_task import lowercase_reward
 
     out = tempfile.mkdtemp(prefix=f"bench-stream-{mode}-")
     trainer = AsyncOnlineDPOTrainer(model=model_dir, reward_funcs=lowercase_reward,
-                                    args=config(args, out, mode, weight_load), train_dataset=dataset(args))
+                                    args=config(args, out, mode, weight_load, partial), train_dataset=dataset(args))
     trainer.train()
     return trainer.run_summary
 
 
-def ideal(args, model_dir: str, steps_in_flight: int = 2) -> float:
+def ideal(args, model_dir: str, window: int) -> float:
     """Samples/s of one never-draining engine over the runs' prompts and seeds (see the docstring), measured in a
     process of its own with one thread, like a generator process."""
     import concurrent.futures
@@ -73,10 +82,11 @@ def ideal(args, model_dir: str, steps_in_flight: int = 2) -> float:
 
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
-        return pool.submit(_ideal, args, model_dir, steps_in_flight).result()
+        return pool.submit(_ideal, args, model_dir, window).result()
 
 
-def _ideal(args, model_dir: str, steps_in_flight: int) -> float:
+def _ideal(args, model_dir: str, window: int) -> float:
+    """`window`: groups in flight."""
     os.environ["OMP_NUM_THREADS"] = "1"  # before torch and vLLM load, as `generation/worker.py` does
     import dataclasses
 
@@ -107,7 +117,7 @@ def _ideal(args, model_dir: str, steps_in_flight: int) -> float:
     backend.generate([prompts[0]] * 4, dataclasses.replace(settings, max_new_tokens=16))  # warm-up, untimed
     engine = StreamEngine(backend, 0)
     backend.llm.update_weight_version("0")
-    window, done, t0 = steps_in_flight * args.batch, 0, time.perf_counter()
+    done, t0 = 0, time.perf_counter()
     pending = list(reversed(requests))
     for _ in range(min(window, len(pending))):
         engine.submit(pending.pop(), 0)
@@ -128,6 +138,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--new_tokens", type=int, default=224)
     p.add_argument("--generators", type=int, default=1)
     p.add_argument("--lengths", type=float, nargs=2, default=[48.0, 1.0], metavar=("MEAN", "CV"))
+    p.add_argument("--max_staleness", type=int, default=1)
+    p.add_argument("--partial", type=int, default=0, help="partial_rollouts of the partial run (0: no partial run)")
+    p.add_argument("--runs", nargs="+", default=[r[0] for r in RUNS], choices=[r[0] for r in RUNS],
+                   help="which runs (batch first: the others are compared with it)")
     p.add_argument("--quick", action="store_true", help="6 steps")
     args = p.parse_args(argv)
     if args.quick:
@@ -136,11 +150,17 @@ def main(argv: list[str] | None = None) -> None:
     from async_rlhf.data.tiny_model import save_tiny_model
 
     model_dir = save_tiny_model(tempfile.mkdtemp(prefix="bench-model-"))
-    results = {name: run(args, model_dir, mode, wl) for name, mode, wl in RUNS}
-    best_ideal = ideal(args, model_dir)
+    runs = [(n, m, w, args.partial if p else 0) for n, m, w, p in RUNS
+            if n in args.runs and (not p or args.partial)]
+    results = {name: run(args, model_dir, mode, wl, partial) for name, mode, wl, partial in runs}
+    window = (args.max_staleness + 1) * args.batch
+    best_ideal = ideal(args, model_dir, window)
+    ideals = {name: ideal(args, model_dir, window + partial) if partial else best_ideal
+              for name, _, _, partial in runs}
 
     print(f"\nmachine: {platform.machine()} {os.cpu_count()} cores; {args.steps} steps x {args.batch} prompts x 2 "
-          f"samples, max_new_tokens {args.new_tokens}, budgets lognormal mean/cv {args.lengths}, max_staleness 1, "
+          f"samples, max_new_tokens {args.new_tokens}, budgets lognormal mean/cv {args.lengths}, max_staleness "
+          f"{args.max_staleness}, partial_rollouts {args.partial}, "
           f"{args.generators} generator(s)")
     base = None
     print(f"{'run':18} {'samples/s':>9} {'speed-up':>8} {'of ideal':>8} {'wait':>6} {'gen busy':>8} "
@@ -151,12 +171,18 @@ def main(argv: list[str] | None = None) -> None:
         imb = s["generator_imbalance"]
         imb = f"{imb['imbalance']:.2f} ({imb['imbalance_count_split']:.2f})" if imb else ""
         busy = s["generator_busy_seconds"] / (s["generators"] * s["loop_seconds"])
-        print(f"{name:18} {rate:9.2f} {rate / base:7.2f}x {rate / best_ideal:8.2f} "
-              f"{s['wait_seconds'] / s['loop_seconds']:6.2f} {busy:8.2f} {imb:>24}")
+        pr = s.get("partial_rollouts")
+        pr = (f"  carried {pr['carried']:.0f}, dropped {pr['dropped']:.0f} groups ("
+              f"{pr['dropped_tokens'] / (pr['dropped_tokens'] + s['generated_tokens']):.2f} of the tokens)") if pr else ""
+        print(f"{name:18} {rate:9.2f} {rate / base:7.2f}x {rate / ideals[name]:8.2f} "
+              f"{s['wait_seconds'] / s['loop_seconds']:6.2f} {busy:8.2f} {imb:>24}{pr}")
     print(f"{'ideal':18} {best_ideal:9.2f} {best_ideal / base:7.2f}x {1.0:8.2f}")
+    if args.partial:
+        print(f"{'ideal+partial':18} {ideals['partial']:9.2f} {ideals['partial'] / base:7.2f}x {1.0:8.2f}")
     best = max(results, key=lambda k: results[k]["samples"] / results[k]["loop_seconds"])
     rate = results[best]["samples"] / results[best]["loop_seconds"]
-    print(f"best: {best}; speed-up over batch-level: {rate / base:.2f}x; fraction of the ideal: {rate / best_ideal:.2f}")
+    print(f"best: {best}; speed-up over batch-level: {rate / base:.2f}x; fraction of the ideal: "
+          f"{rate / ideals[best]:.2f}")
 
 
 if __name__ == "__main__":

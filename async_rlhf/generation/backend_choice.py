@@ -123,6 +123,9 @@ def resolve_generator_backend(args, model_config, architecture: str, dtype: str,
     if reason is None:
         args.generator_backend = "vllm"
         return "vllm"
+    if getattr(args, "partial_rollouts", 0):
+        raise ConfigError(f"partial_rollouts: needs streaming vLLM generators, and generator_backend='auto' cannot "
+                          f"use vLLM here: {reason}")
     if args.generation_mode == "stream":
         raise ConfigError(f"generation_mode: 'stream' needs vLLM, and generator_backend='auto' cannot use it here: "
                           f"{reason}")

@@ -215,8 +215,11 @@ class AsyncTrainerBase(Trainer):
         """The run's own record of what each step trained on (read by resume tests and audits)."""
         os.makedirs(self.args.output_dir, exist_ok=True)
         with open(os.path.join(self.args.output_dir, "trained_batches.jsonl"), "a") as f:
-            f.write(json.dumps({"step": step, "policy_version": batch.policy_version, "prompt_ids": batch.prompt_ids,
-                                "sample_versions": batch.sample_versions()}) + "\n")
+            record = {"step": step, "policy_version": batch.policy_version, "prompt_ids": batch.prompt_ids,
+                      "sample_versions": batch.sample_versions()}
+            if batch.origins:  # partial rollouts: each group's place in the prompt stream and its version span
+                record.update(groups=batch.origins, group_versions=batch.group_versions())
+            f.write(json.dumps(record) + "\n")
 
     # ---- the algorithm hook --------------------------------------------------------------------------------
     def compute_rollout_loss(self, model, groups: list[ScoredGroup]) -> tuple[torch.Tensor, dict[str, float]]:
@@ -356,7 +359,7 @@ class AsyncTrainerBase(Trainer):
             checkpointing.begin_save(directory)  # rewriting a complete checkpoint: it is incomplete until the end
         super()._save_checkpoint(model, trial)
         if self.args.should_save:
-            pending = [b for b in self.pipeline.queue.pending() if b.batch_id >= self.state.global_step]
+            pending = self.pipeline.pending(self.state.global_step)
             checkpointing.save_pipeline_state(directory, self.state.global_step, pending,
                                               self.pipeline.counters(), self._identity())
             checkpointing.mark_complete(directory, self.state.global_step)

@@ -123,3 +123,10 @@ def test_the_probe_reads_vllm_in_a_child_process_and_caches_it(tmp_path, monkeyp
     facts = vllm_facts()  # runs `python -m async_rlhf.generation.backend_choice`
     (cached,) = (tmp_path / "vllm_facts").iterdir()
     assert cached.name.startswith(facts["vllm"]) and "LlamaForCausalLM" in facts["architectures"]
+
+
+def test_partial_rollouts_with_a_policy_vllm_cannot_serve_is_refused(make_config, head16_dir):
+    if vllm_facts()["platform"] != "cpu":
+        pytest.skip("head size 16 is refused by vLLM's CPU attention only")
+    with pytest.raises(ConfigError, match=r"partial_rollouts: needs streaming vLLM.*head size 16"):
+        _choose(make_config(partial_rollouts=4, weight_load="in_flight"), head16_dir)
