@@ -35,8 +35,6 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# our directory off the path: its profile.py shadows the standard library's, which torch and vLLM import
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 sys.path.insert(0, os.path.dirname(HERE))
 
 RUNS = (("batch", "batch", "drain", 0), ("stream/drain", "stream", "drain", 0),
