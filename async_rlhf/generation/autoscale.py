@@ -15,7 +15,11 @@ Cost per step: C(k) = (L + c k) T(k) device-seconds, for L learner devices at pr
 price c (`generator_autoscale_cost`: 0.5 for an inference device at half a training device's price; 0 makes
 generators free, so only the wait decides). Samples per step are fixed, so C is also the cost per sample.
 
-The rule, checked once per window:
+The rule, checked once per window, in this order:
+* **undo** an addition that did not pay: on the first window measured after a generator was added, if the measured
+  C(k) is not below the C(k - 1) measured on the window that decided the addition, retire it. The prediction's
+  assumption (below) may fail, and then measurement overrules it; the controller then adds nothing for
+  `UNDO_HOLD_WINDOWS` windows, so that a generator is not started and stopped over and over;
 * **add** a generator when the learner waited at least `wait_threshold` of the window, a spare device is free, and
   C(k + 1) <= (1 - MIN_GAIN) C(k): the learner's wait it removes pays for the device it takes;
 * **retire** one when the generators sampled at most 1 - `idle_threshold` of the window (idle fraction
@@ -32,6 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MIN_GAIN = 0.05  # a change must cut the predicted cost per step by this fraction
+UNDO_HOLD_WINDOWS = 8  # after an addition was undone, windows during which none is added
 
 
 @dataclass(frozen=True)
@@ -95,9 +100,11 @@ def cost_per_step(rule: AutoscaleRule, generators: int, step_seconds: float) -> 
     return (rule.learners + rule.generator_cost * generators) * step_seconds
 
 
-def decide(rule: AutoscaleRule, w: Window, can_add: bool, can_retire: bool) -> Decision:
-    """Add, retire or hold, by the rule of the module docstring. `can_add`: a spare device is free;
-    `can_retire`: more than one generator runs."""
+def decide(rule: AutoscaleRule, w: Window, can_add: bool, can_retire: bool,
+           before_add: Window | None = None) -> Decision:
+    """Undo, add, retire or hold, by the rule of the module docstring. `can_add`: a spare device is free (and no
+    undo is being held off); `can_retire`: more than one generator runs; `before_add`: on the first window after an
+    addition, the window (with one generator fewer) that decided it. An undo is a "retire" whose reason says so."""
     k = w.generators
     now = cost_per_step(rule, k, w.step_seconds)
 
@@ -106,20 +113,28 @@ def decide(rule: AutoscaleRule, w: Window, can_add: bool, can_retire: bool) -> D
 
     if w.steps < 1 or w.seconds <= 0 or k < 1:
         return decision("hold", "nothing measured")
+    if before_add is not None and can_retire:
+        was = cost_per_step(rule, before_add.generators, before_add.step_seconds)
+        if now >= was:
+            return decision("retire", f"undo: with {k} generators {now:.3g} device-s/step measured against {was:.3g} "
+                                      f"with {before_add.generators} before the addition", was)
+    reasons = []
     if w.wait_fraction >= rule.wait_threshold:
-        if not can_add:
-            return decision("hold", f"learner waited {w.wait_fraction:.0%} but no spare device is free")
         after = cost_per_step(rule, k + 1, predicted_step_seconds(w, k + 1, rule.max_staleness))
-        if after <= (1 - MIN_GAIN) * now:
+        if not can_add:
+            reasons.append(f"learner waited {w.wait_fraction:.0%} but no spare device is free")
+        elif after <= (1 - MIN_GAIN) * now:
             return decision("add", f"learner waited {w.wait_fraction:.0%}; {k + 1} generators predicted "
                                    f"{after:.3g} device-s/step against {now:.3g}", after)
-        return decision("hold", f"learner waited {w.wait_fraction:.0%}, but another generator would cost more "
-                                f"than the wait it removes ({after:.3g} against {now:.3g} device-s/step)")
+        else:
+            reasons.append(f"learner waited {w.wait_fraction:.0%}, but another generator would cost more than the "
+                           f"wait it removes ({after:.3g} against {now:.3g} device-s/step)")
     if w.idle_fraction >= rule.idle_threshold and can_retire:
         after = cost_per_step(rule, k - 1, predicted_step_seconds(w, k - 1, rule.max_staleness))
         if after <= (1 - MIN_GAIN) * now:
             return decision("retire", f"generators idle {w.idle_fraction:.0%}; {k - 1} predicted {after:.3g} "
                                       f"device-s/step against {now:.3g}", after)
-        return decision("hold", f"generators idle {w.idle_fraction:.0%}, but the wait one fewer adds would cost "
-                                f"more than its device ({after:.3g} against {now:.3g} device-s/step)")
-    return decision("hold", f"learner waited {w.wait_fraction:.0%}, generators idle {w.idle_fraction:.0%}")
+        reasons.append(f"generators idle {w.idle_fraction:.0%}, but the wait one fewer adds would cost more than "
+                       f"its device ({after:.3g} against {now:.3g} device-s/step)")
+    return decision("hold", "; ".join(reasons) or f"learner waited {w.wait_fraction:.0%}, generators idle "
+                                                  f"{w.idle_fraction:.0%}")

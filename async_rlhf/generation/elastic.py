@@ -3,8 +3,9 @@
 `ElasticGenerators.after_step` is called by the pipeline on rank 0's main thread after each optimizer step (so the
 processes it starts are tied to the main thread, as `pool.py` requires). It measures windows of
 `generator_autoscale_window` steps (wall time, the learner's wait, the generators' sampling time), hands each to
-`autoscale.decide` (the cost rule), and applies the decision to the pool: `add_generator` on the first free spare
-device, or `retire_generator` on the newest generator. A window starts only once the pool has settled (no generator
+`autoscale.decide` (the cost rule; after an addition, with the window that decided it, so that an addition that
+did not pay is undone), and applies the decision to the pool: `add_generator` on the first free spare device, or
+`retire_generator` on the newest generator. A window starts only once the pool has settled (no generator
 joining or retiring), so that what it measures is the set of generators it will be judged with; the first step of
 the run (engine warm-up) is not measured.
 
@@ -23,7 +24,7 @@ import os
 import time
 from typing import Callable
 
-from async_rlhf.generation.autoscale import AutoscaleRule, Window, decide
+from async_rlhf.generation.autoscale import UNDO_HOLD_WINDOWS, AutoscaleRule, Window, decide
 from async_rlhf.generation.worker import GeneratorSpec
 
 logger = logging.getLogger(__name__)
@@ -42,8 +43,11 @@ class ElasticGenerators:
         self.new_spec = new_spec
         self.record_path = record_path
         self.events: list[dict] = []
+        self.windows: list[dict] = []  # every window measured: step, generators, step seconds, wait and idle, action
         self._mark: tuple[int, float, float, float] | None = None  # step, time, learner wait, generator busy
         self._releasing: set[int] = set()  # retired generators whose device is not free yet
+        self._before_add: Window | None = None  # the window that decided the last addition, until the next window
+        self._no_add_until = 0  # step: an undone addition holds further ones off until then
 
     def _busy(self) -> float:
         return sum(self.pool.acks.busy_seconds.values())
@@ -66,7 +70,13 @@ class ElasticGenerators:
         active = self.pool.active_generators()
         w = Window(step - start, now - t0, wait_seconds - wait0, busy - busy0, len(active))
         self._mark = (step, now, wait_seconds, busy)
-        d = decide(self.rule, w, can_add=bool(self.free), can_retire=len(active) > 1)
+        d = decide(self.rule, w, can_add=bool(self.free) and step >= self._no_add_until,
+                   can_retire=len(active) > 1, before_add=self._before_add)
+        self._before_add = w if d.action == "add" else None
+        if d.reason.startswith("undo"):
+            self._no_add_until = step + UNDO_HOLD_WINDOWS * self.window
+        self.windows.append({"step": step, "generators": w.generators, "step_seconds": w.step_seconds,
+                             "wait_fraction": d.wait_fraction, "idle_fraction": d.idle_fraction, "action": d.action})
         if d.action == "hold":
             logger.debug("autoscale at step %d: hold (%s)", step, d.reason)
             return
@@ -91,8 +101,10 @@ class ElasticGenerators:
                 f.write(json.dumps(event) + "\n")
 
     def summary(self) -> dict:
-        """For the run summary: decisions taken, and what each generator answered (parts, oldest version)."""
-        return {"events": self.events, "generators_final": len(self.pool.active_generators()),
+        """For the run summary: decisions taken, every window measured, and what each generator answered (parts,
+        oldest version)."""
+        return {"events": self.events, "windows": self.windows, "generators_final": len(self.pool.active_generators()),
+                "joining_at_end": self.pool.joining(),
                 "retired": sorted(self.pool.retired),
                 "answered": {str(g): v for g, v in sorted(self.pool.answered.items())}}
 

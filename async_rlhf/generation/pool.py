@@ -124,6 +124,11 @@ class GeneratorPool:
             out = set(self._joining) | set(self._retiring) | set(self.retired)
         return [s.generator_id for s in self.specs if s.generator_id not in out]
 
+    def joining(self) -> list[int]:
+        """Generators added and not ready yet."""
+        with self._lock:
+            return sorted(self._joining)
+
     def settled(self) -> bool:
         """No generator is joining or retiring."""
         with self._lock:

@@ -88,3 +88,15 @@ def test_the_ray_launcher_needs_ray_and_no_servers(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"generator_launcher: 'ray' needs Ray, which is not installed here "
                                           r"\(pip install -r requirements-ray.txt\)"):
         AsyncOnlineDPOConfig(output_dir=str(tmp_path), generator_launcher="ray")
+
+
+def test_an_addition_that_did_not_pay_is_undone():
+    # before: 1 generator, T = 1.0 (STARVED): C = 2.0 at price 1. After: 2 generators measured at 0.7 s a step:
+    # C = 3 * 0.7 = 2.1 >= 2.0, though 0.6 s was predicted: undo (retire), whatever the wait
+    after = Window(steps=2, seconds=1.4, wait_seconds=0.6, busy_seconds=1.6, generators=2)
+    rule = AutoscaleRule(learners=1, max_staleness=1)
+    d = decide(rule, after, can_add=False, can_retire=True, before_add=STARVED)
+    assert d.action == "retire" and d.reason.startswith("undo") and d.cost_after == pytest.approx(2.0)
+    # measured at 0.6 s a step, as predicted: C = 1.8 < 2.0, kept
+    kept = Window(steps=2, seconds=1.2, wait_seconds=0.4, busy_seconds=1.6, generators=2)
+    assert decide(rule, kept, can_add=False, can_retire=True, before_add=STARVED).action == "hold"
