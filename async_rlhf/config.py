@@ -134,7 +134,7 @@ class AsyncRLConfig(TrainingArguments):
         default=False,
         metadata={"help": "Add a generator on a free generator_autoscale_devices entry when the learner waits, retire "
                   "one when generators idle, during the run, by a cost rule (generation/autoscale.py: a change "
-                  "must cut the device-seconds per step by 5%). No request is lost; a new generator loads the "
+                  "must cut the device-seconds per step by 5 percent). No request is lost; a new generator loads the "
                   "newest weights before its first request; max_staleness holds throughout."},
     )
     generator_autoscale_devices: list[str] = field(

@@ -1,8 +1,9 @@
 """The asynchronous rollout pipeline: wires prompts -> generators -> staleness queue -> learner -> weights.
 
 This is the one place that owns processes and threads. On learner rank 0 it holds the `GeneratorPool`
-(generator processes + a reader thread), the `StalenessQueue` and the weight transport; other ranks hold
-nothing and receive each step's rollouts from rank 0 by broadcast.
+(generator processes + a reader thread), the `StalenessQueue` and the weight transport (and, with
+`generator_autoscale`, `generation/elastic.py`'s controller, which adds and retires generators after optimizer
+steps); other ranks hold nothing and receive each step's rollouts from rank 0 by broadcast.
 
 Step protocol, per optimizer step b (every learner rank calls both, in this order):
 1. `batch_for_step(b)`: rank 0 waits (at most `rollout_timeout`) for batch b, checks its staleness

@@ -19,7 +19,10 @@ import platform
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+# not this folder: its profile.py would shadow the standard library's (which torch imports through cProfile)
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
+sys.path.insert(0, os.path.dirname(HERE))
 
 
 def run(autoscale: bool, args, model_dir: str) -> dict:
@@ -47,19 +50,24 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--batch", type=int, default=16, help="prompts per step")
-    p.add_argument("--new_tokens", type=int, default=48)
+    p.add_argument("--new_tokens", type=int, default=96)
     p.add_argument("--staleness", type=int, default=0)
     p.add_argument("--cost", type=float, default=0.5, help="generator device price relative to a learner device")
     p.add_argument("--window", type=int, default=4, help="steps per autoscaling decision")
     p.add_argument("--backend", default="vllm", choices=["vllm", "transformers"])
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
     args = p.parse_args()
+    load = os.getloadavg()[0]
 
     from async_rlhf.data.tiny_model import save_tiny_model
 
-    model_dir = save_tiny_model(tempfile.mkdtemp(prefix="bench-model-"), hidden_size=256, num_layers=4, num_heads=4)
+    model_dir = save_tiny_model(tempfile.mkdtemp(prefix="bench-model-"), hidden_size=args.hidden,
+                                num_layers=args.layers, num_heads=max(2, args.hidden // 32))
     fixed, elastic = run(False, args, model_dir), run(True, args, model_dir)
-    print(f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, load before "
-          f"{os.getloadavg()[0]:.2f} (1 min, now); backend {args.backend}; policy hidden 256 x 4 layers; "
+    print(f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, 1-min load before "
+          f"{load:.2f}, after {os.getloadavg()[0]:.2f}; backend {args.backend}; policy hidden {args.hidden} x "
+          f"{args.layers} layers; "
           f"{args.steps} steps x {args.batch} prompts x 2 samples x <= {args.new_tokens} tokens; max_staleness "
           f"{args.staleness}; generator price {args.cost}; window {args.window} steps")
     print(f"{'run':<26}{'loop s':>8}{'wait frac':>11}{'samples/s':>11}  staleness")
