@@ -68,7 +68,8 @@ class ElasticGenerators:
             return
         busy = self._busy()
         active = self.pool.active_generators()
-        w = Window(step - start, now - t0, wait_seconds - wait0, busy - busy0, len(active))
+        # a restarted generator reports its busy time from 0 again: never let the sum go backwards
+        w = Window(step - start, now - t0, wait_seconds - wait0, max(0.0, busy - busy0), len(active))
         self._mark = (step, now, wait_seconds, busy)
         d = decide(self.rule, w, can_add=bool(self.free) and step >= self._no_add_until,
                    can_retire=len(active) > 1, before_add=self._before_add)
