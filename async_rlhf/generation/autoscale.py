@@ -18,8 +18,9 @@ generators free, so only the wait decides). Samples per step are fixed, so C is 
 The rule, checked once per window, in this order:
 * **undo** an addition that did not pay: on the first window measured after a generator was added, if the measured
   C(k) is not below the C(k - 1) measured on the window that decided the addition, retire it. The prediction's
-  assumption (below) may fail, and then measurement overrules it; the controller then adds nothing for
-  `UNDO_HOLD_WINDOWS` windows, so that a generator is not started and stopped over and over;
+  assumption (below) may fail, and then measurement overrules it: the C(k) measured is remembered, and k generators
+  are not tried again until the cost measured with k - 1 exceeds it (the workload grew), so that a generator is not
+  started and stopped over and over (each start costs time, and on a shared CPU, the others' speed);
 * **add** a generator when the learner waited at least `wait_threshold` of the window, a spare device is free, and
   C(k + 1) <= (1 - MIN_GAIN) C(k): the learner's wait it removes pays for the device it takes;
 * **retire** one when the generators sampled at most 1 - `idle_threshold` of the window (idle fraction
@@ -36,7 +37,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MIN_GAIN = 0.05  # a change must cut the predicted cost per step by this fraction
-UNDO_HOLD_WINDOWS = 8  # after an addition was undone, windows during which none is added
 
 
 @dataclass(frozen=True)
@@ -101,10 +101,11 @@ def cost_per_step(rule: AutoscaleRule, generators: int, step_seconds: float) -> 
 
 
 def decide(rule: AutoscaleRule, w: Window, can_add: bool, can_retire: bool,
-           before_add: Window | None = None) -> Decision:
-    """Undo, add, retire or hold, by the rule of the module docstring. `can_add`: a spare device is free (and no
-    undo is being held off); `can_retire`: more than one generator runs; `before_add`: on the first window after an
-    addition, the window (with one generator fewer) that decided it. An undo is a "retire" whose reason says so."""
+           before_add: Window | None = None, undone_cost: float | None = None) -> Decision:
+    """Undo, add, retire or hold, by the rule of the module docstring. `can_add`: a spare device is free;
+    `can_retire`: more than one generator runs; `before_add`: on the first window after an addition, the window
+    (with one generator fewer) that decided it; `undone_cost`: the C(k + 1) measured when an addition to k + 1
+    generators was undone, if one was. An undo is a "retire" whose reason says so."""
     k = w.generators
     now = cost_per_step(rule, k, w.step_seconds)
 
@@ -123,6 +124,9 @@ def decide(rule: AutoscaleRule, w: Window, can_add: bool, can_retire: bool,
         after = cost_per_step(rule, k + 1, predicted_step_seconds(w, k + 1, rule.max_staleness))
         if not can_add:
             reasons.append(f"learner waited {w.wait_fraction:.0%} but no spare device is free")
+        elif undone_cost is not None and now <= undone_cost:
+            reasons.append(f"learner waited {w.wait_fraction:.0%}, but {k + 1} generators measured "
+                           f"{undone_cost:.3g} device-s/step when last tried, more than {now:.3g} now")
         elif after <= (1 - MIN_GAIN) * now:
             return decision("add", f"learner waited {w.wait_fraction:.0%}; {k + 1} generators predicted "
                                    f"{after:.3g} device-s/step against {now:.3g}", after)

@@ -4,7 +4,8 @@
 processes it starts are tied to the main thread, as `pool.py` requires). It measures windows of
 `generator_autoscale_window` steps (wall time, the learner's wait, the generators' sampling time), hands each to
 `autoscale.decide` (the cost rule; after an addition, with the window that decided it, so that an addition that
-did not pay is undone), and applies the decision to the pool: `add_generator` on the first free spare device, or
+did not pay is undone, and that many generators not tried again until the cost grows past what they measured),
+and applies the decision to the pool: `add_generator` on the first free spare device, or
 `retire_generator` on the newest generator. A window starts only once the pool has settled (no generator
 joining or retiring), so that what it measures is the set of generators it will be judged with; the first step of
 the run (engine warm-up) is not measured.
@@ -24,7 +25,7 @@ import os
 import time
 from typing import Callable
 
-from async_rlhf.generation.autoscale import UNDO_HOLD_WINDOWS, AutoscaleRule, Window, decide
+from async_rlhf.generation.autoscale import AutoscaleRule, Window, decide
 from async_rlhf.generation.worker import GeneratorSpec
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ class ElasticGenerators:
         self._mark: tuple[int, float, float, float] | None = None  # step, time, learner wait, generator busy
         self._releasing: set[int] = set()  # retired generators whose device is not free yet
         self._before_add: Window | None = None  # the window that decided the last addition, until the next window
-        self._no_add_until = 0  # step: an undone addition holds further ones off until then
+        self._undone: dict[int, float] = {}  # generators -> cost per step measured with them when undone
 
     def _busy(self) -> float:
         return sum(self.pool.acks.busy_seconds.values())
@@ -71,11 +72,11 @@ class ElasticGenerators:
         # a restarted generator reports its busy time from 0 again: never let the sum go backwards
         w = Window(step - start, now - t0, wait_seconds - wait0, max(0.0, busy - busy0), len(active))
         self._mark = (step, now, wait_seconds, busy)
-        d = decide(self.rule, w, can_add=bool(self.free) and step >= self._no_add_until,
-                   can_retire=len(active) > 1, before_add=self._before_add)
+        d = decide(self.rule, w, can_add=bool(self.free), can_retire=len(active) > 1, before_add=self._before_add,
+                   undone_cost=self._undone.get(len(active) + 1))
         self._before_add = w if d.action == "add" else None
         if d.reason.startswith("undo"):
-            self._no_add_until = step + UNDO_HOLD_WINDOWS * self.window
+            self._undone[len(active)] = d.cost_now
         self.windows.append({"step": step, "generators": w.generators, "step_seconds": w.step_seconds,
                              "wait_fraction": d.wait_fraction, "idle_fraction": d.idle_fraction, "action": d.action})
         if d.action == "hold":

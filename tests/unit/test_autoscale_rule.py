@@ -100,3 +100,10 @@ def test_an_addition_that_did_not_pay_is_undone():
     # measured at 0.6 s a step, as predicted: C = 1.8 < 2.0, kept
     kept = Window(steps=2, seconds=1.2, wait_seconds=0.4, busy_seconds=1.6, generators=2)
     assert decide(rule, kept, can_add=False, can_retire=True, before_add=STARVED).action == "hold"
+
+    # the 2.1 measured with 2 is remembered: no new addition while 1 generator costs less than that ...
+    d = decide(rule, STARVED, can_add=True, can_retire=False, undone_cost=2.1)
+    assert d.action == "hold" and "when last tried" in d.reason
+    # ... and one is tried again once it costs more (the workload grew: 1.1 s a step, C = 2.2)
+    grown = Window(steps=2, seconds=2.2, wait_seconds=1.4, busy_seconds=1.8, generators=1)
+    assert decide(rule, grown, can_add=True, can_retire=False, undone_cost=2.1).action == "add"
