@@ -46,7 +46,7 @@ def run(autoscale: bool, args, model_dir: str) -> dict:
     return trainer.run_summary
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--batch", type=int, default=16, help="prompts per step")
@@ -57,7 +57,7 @@ def main() -> None:
     p.add_argument("--backend", default="vllm", choices=["vllm", "transformers"])
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     load = os.getloadavg()[0]
 
     from async_rlhf.data.tiny_model import save_tiny_model
