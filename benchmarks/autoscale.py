@@ -19,10 +19,7 @@ import platform
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-# not this folder: its profile.py would shadow the standard library's (which torch imports through cProfile)
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
-sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run(autoscale: bool, args, model_dir: str) -> dict:
