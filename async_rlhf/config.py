@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from async_rlhf.config_checks import ConfigError, check_dir, check_types  # noqa: F401 (ConfigError: re-exported)
+from async_rlhf.config_checks import ConfigError, check_dir, check_elastic, check_types  # noqa: F401 (ConfigError: re-exported)
 from async_rlhf.trl_fields import apply_trl_fields
 
 GENERATOR_BACKENDS = ("auto", "vllm", "transformers")
@@ -134,6 +134,28 @@ class AsyncRLConfig(TrainingArguments):
                   "receives weights as CUDA IPC handles to rank 0's copy (no bytes copied between processes); "
                   "elsewhere, and on CPU, through shm files as usual. Staleness and records are unchanged."},
     )
+    generator_launcher: str = field(
+        default="process",
+        metadata={"help": "How generators start: 'process' (processes spawned by learner rank 0) or 'ray' (Ray actors, "
+                  "placed by Ray on rank 0's node: a GPU each for cuda entries; needs requirements-ray.txt)."},
+    )
+    generator_autoscale: bool = field(
+        default=False,
+        metadata={"help": "Add a generator on a free generator_autoscale_devices entry when the learner waits, retire "
+                  "one when generators idle, during the run, by a cost rule (generation/autoscale.py: a change "
+                  "must cut the device-seconds per step by 5 percent). No request is lost; a new generator loads the "
+                  "newest weights before its first request; max_staleness holds throughout."},
+    )
+    generator_autoscale_devices: list[str] = field(
+        default_factory=list, metadata={"help": "Spare devices autoscaling may add generators on ('cpu', 'cuda:<i>')."})
+    generator_autoscale_wait: float = field(
+        default=0.1, metadata={"help": "Add only when the learner waited at least this fraction of a window."})
+    generator_autoscale_idle: float = field(
+        default=0.5, metadata={"help": "Retire only when generators idled at least this fraction of a window."})
+    generator_autoscale_window: int = field(
+        default=4, metadata={"help": "Optimizer steps measured per autoscaling decision (after any change)."})
+    generator_autoscale_cost: float = field(
+        default=1.0, metadata={"help": "Price of a generator device per second, relative to a learner device's (1)."})
     generator_threads: int | None = field(
         default=None, metadata={"help": "torch/OMP threads per CPU generator (None: half the cores, at least 1)."}
     )
@@ -244,6 +266,7 @@ class AsyncRLConfig(TrainingArguments):
 
     def __post_init__(self):
         self.generator_devices = _comma_list(self.generator_devices)
+        self.generator_autoscale_devices = _comma_list(self.generator_autoscale_devices)
         if self.generator_servers is not None:
             self.generator_servers = _comma_list(self.generator_servers)
         check_types(self)
@@ -279,6 +302,7 @@ class AsyncRLConfig(TrainingArguments):
                  "generation_mode", "'stream' needs generator_backend='vllm' (transformers samples whole batches)")
         self._check_generator_servers()
         self._check_partial_rollouts()
+        check_elastic(self)
         check_dir("shm_dir", self.shm_dir)
         _require(self.reward_failure in REWARD_FAILURE_POLICIES, "reward_failure",
                  f"{self.reward_failure!r} is not one of {REWARD_FAILURE_POLICIES}")
@@ -354,7 +378,9 @@ class AsyncRLConfig(TrainingArguments):
                           f"generator_backend={self.generator_backend!r})"),
                          (self.weight_load == "in_flight", f"weight_load='in_flight' (got {self.weight_load!r}: with "
                                                            "'drain' weights wait for every running group)"),
-                         (not self.generator_servers, "local generators (generator_servers is not supported yet)")):
+                         (not self.generator_servers, "local generators (generator_servers is not supported yet)"),
+                         (not self.generator_autoscale, "a fixed set of generators (generator_autoscale=True is not "
+                                                        "supported with it yet)")):
             _require(ok, "partial_rollouts", f"partial_rollouts={p} needs {what}")
 
     def _check_generator_servers(self) -> None:

@@ -50,9 +50,14 @@ RANGES = {
     "vllm_server_timeout": (lambda v: v > 0, "> 0 seconds"),
     "min_p": (lambda v: 0 <= v <= 1, "in [0, 1] (or None)"),
     "repetition_penalty": (lambda v: v > 0, "> 0"),
+    "generator_autoscale_wait": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "generator_autoscale_idle": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "generator_autoscale_window": (lambda v: v >= 1, ">= 1"),
+    "generator_autoscale_cost": (lambda v: v >= 0, ">= 0"),
 }
+LAUNCHERS = ("process", "ray")
 TIMEOUT_FIELDS = ("generator_start_timeout", "rollout_timeout", "weight_sync_timeout")
-SINGLE_FOR_LIST = ("generator_devices", "generator_servers", "beta")  # `__post_init__` turns a single value into a list
+SINGLE_FOR_LIST = ("generator_devices", "generator_servers", "generator_autoscale_devices", "beta")  # `__post_init__` turns a single value into a list
 MIN_FREE_BYTES = 16 << 20  # below this a directory we write weights into is certainly too full
 
 
@@ -150,3 +155,41 @@ def check_dir(name: str, path: str, min_free: int = MIN_FREE_BYTES) -> None:
     if free < min_free:
         raise ConfigError(f"{name}: {path!r} has {free / 2**20:.1f} MiB free, needs at least {min_free / 2**20:.1f} "
                           "MiB")
+
+
+def check_elastic(config) -> None:
+    """`generator_launcher` and `generator_autoscale` against the rest: what cannot work is refused before any model
+    loads (Ray missing, nothing to add generators on, generators that are not ours to start or stop)."""
+    launcher, spare = config.generator_launcher, config.generator_autoscale_devices
+    if launcher not in LAUNCHERS:
+        raise ConfigError(f"generator_launcher: {launcher!r} is not one of {LAUNCHERS}")
+    if launcher == "ray":
+        from async_rlhf.generation.ray_launcher import INSTALL_HINT, ray_installed
+
+        if config.generator_servers:
+            raise ConfigError("generator_launcher: 'ray' starts generators as Ray actors; generator_servers are "
+                              "started by you. Use one or the other.")
+        if not ray_installed():
+            raise ConfigError(f"generator_launcher: 'ray' needs Ray, which is not installed here ({INSTALL_HINT}), "
+                              "or use the default 'process'")
+    if not config.generator_autoscale:
+        if spare:
+            raise ConfigError(f"generator_autoscale_devices: {spare} given but generator_autoscale is off; pass "
+                              "--generator_autoscale true to let the run add generators on them")
+        return
+    if config.generator_servers:
+        raise ConfigError("generator_autoscale: generator_servers are started and stopped by you, not by the run; "
+                          "autoscaling needs generators the run starts (generator_devices)")
+    if not spare:
+        raise ConfigError("generator_autoscale: no spare device to add a generator on; list them in "
+                          "generator_autoscale_devices (e.g. cuda:6 cuda:7, or cpu for another CPU generator)")
+    for dev in spare:
+        if dev != "cpu" and not (dev.startswith("cuda:") and dev[5:].isdigit()):
+            raise ConfigError(f"generator_autoscale_devices: {dev!r} is not 'cpu' or 'cuda:<index>'")
+    gpus = [d for d in [*config.generator_devices, *spare] if d != "cpu"]
+    if launcher != "ray" and len(set(gpus)) < len(gpus):
+        raise ConfigError(f"generator_autoscale_devices: {spare} repeats a GPU of generator_devices "
+                          f"{config.generator_devices} or of itself; each generator needs a GPU of its own")
+    if config.colocate:
+        raise ConfigError("generator_autoscale: not with colocate (colocated generators share the learners' GPUs; "
+                          "autoscaling adds generators on devices of their own)")

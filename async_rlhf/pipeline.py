@@ -1,8 +1,9 @@
 """The asynchronous rollout pipeline: wires prompts -> generators -> staleness queue -> learner -> weights.
 
 This is the one place that owns processes and threads. On learner rank 0 it holds the `GeneratorPool`
-(generator processes + a reader thread), the `StalenessQueue` and the weight transport; other ranks hold
-nothing and receive each step's rollouts from rank 0 by broadcast.
+(generator processes + a reader thread), the `StalenessQueue` and the weight transport (and, with
+`generator_autoscale`, `generation/elastic.py`'s controller, which adds and retires generators after optimizer
+steps); other ranks hold nothing and receive each step's rollouts from rank 0 by broadcast.
 
 Step protocol, per optimizer step b (every learner rank calls both, in this order):
 1. `batch_for_step(b)`: rank 0 waits (at most `rollout_timeout`) for batch b, checks its staleness
@@ -40,7 +41,9 @@ from typing import Callable
 
 
 from async_rlhf.generation.assignment import LengthEstimator, assign, imbalance
+from async_rlhf.generation.elastic import make_elastic
 from async_rlhf.generation.pool import GeneratorPool
+from async_rlhf.generation.ray_launcher import make_launcher
 from async_rlhf.generation.pool_protocol import GeneratorFailed, GeneratorPoolProtocol
 from async_rlhf.generation.worker import GeneratorSpec
 from async_rlhf.partial_rollouts import PartialRollouts, restore_partial
@@ -74,6 +77,8 @@ class RolloutPipeline:
         self.engine_kwargs = engine_kwargs or {}
         self.queue = StalenessQueue(args.max_staleness)
         self.pool: GeneratorPoolProtocol | None = None  # GeneratorPool, or HTTPGeneratorPool (generator_servers)
+        self.elastic = None  # ElasticGenerators with generator_autoscale (generation/elastic.py)
+        self.autoscale: dict = {}  # its summary, kept after close
         self.transport: WeightTransport | None = None  # ShmWeightTransport (local generators and servers)
         self.queued_version = 0  # newest weights sent to the generators (derived: see the module docstring)
         self.next_dispatch = 0  # next batch id to send
@@ -140,16 +145,18 @@ class RolloutPipeline:
                 token=os.environ.get(TOKEN_ENV, ""), min_model_len=a.max_length, weight_load=a.weight_load)
         else:
             self.transport = make_transport(a, self.accelerator.device)
-            specs = [
-                GeneratorSpec(generator_id=i, backend=a.generator_backend, model_path=self.generator_model_path,
-                              device=dev, seed=a.seed + i, threads=a.generator_threads,
-                              engine_kwargs=self.engine_kwargs, initial_version=initial_version,
-                              log_path=os.path.join(a.output_dir, "logs", f"generator-{i}.log"),
-                              streaming=a.streaming, weight_load=a.weight_load)
-                for i, dev in enumerate(a.generator_devices)
-            ]
-            self.pool = GeneratorPool(specs, self._on_rollouts, a.generator_start_timeout, a.weight_sync_timeout,
-                                      a.generator_max_restarts)
+
+            def spec(i: int, dev: str) -> GeneratorSpec:
+                return GeneratorSpec(generator_id=i, backend=a.generator_backend, model_path=self.generator_model_path,
+                                     device=dev, seed=a.seed + i, threads=a.generator_threads,
+                                     engine_kwargs=self.engine_kwargs, initial_version=initial_version,
+                                     log_path=os.path.join(a.output_dir, "logs", f"generator-{i}.log"),
+                                     streaming=a.streaming, weight_load=a.weight_load)
+
+            self.pool = GeneratorPool([spec(i, dev) for i, dev in enumerate(a.generator_devices)], self._on_rollouts,
+                                      a.generator_start_timeout, a.weight_sync_timeout, a.generator_max_restarts,
+                                      launcher=make_launcher(a))
+            self.elastic = make_elastic(a, self.pool, self.accelerator.num_processes, spec)
         try:
             self.pool.start()
         except BaseException:
@@ -166,6 +173,8 @@ class RolloutPipeline:
         return [b for b in self.queue.pending() if b.batch_id >= step]
 
     def close(self) -> None:
+        if self.elastic is not None:
+            self.autoscale = self.elastic.summary()
         if self.pool is not None:
             self.pool.close()  # first: it may still record the acknowledgements of the last weights
             self.load_seconds = sum(self.pool.acks.load_seconds)
@@ -241,6 +250,8 @@ class RolloutPipeline:
             self.timers["sync_transfer"] += time.perf_counter() - t1
         if self.is_main:
             self._dispatch()
+            if self.elastic is not None and self.pool is not None:
+                self.elastic.after_step(version, self.timers["wait"], self.queued_version)
 
     def _check(self) -> None:
         """Rank 0, while it waits for rollouts: a failed generator, an overdue stage or a failed scoring raises."""
@@ -277,20 +288,21 @@ class RolloutPipeline:
         contiguous chunk of equal prompt count per generator. `indices` (streaming): only those groups; `attempt` > 0: a
         group regenerated after it arrived too stale (partial rollouts), with seeds of its own."""
         ids = self.stream.prompts_for_step(batch_id)
-        g = self.pool.num_generators
+        active = self.pool.active_generators()  # generator ids; elastic pools change them between batches
+        g = len(active)
         self._dispatched_at.setdefault(batch_id, time.perf_counter())
         if self.args.streaming:
             bounds = list(range(len(ids) + 1))
             chunks = list(range(len(ids))) if indices is None else indices
-            owners = [(batch_id + i) % g for i in chunks]
+            owners = [active[(batch_id + i) % g] for i in chunks]
             if self.args.generator_assignment == "tokens" and g > 1:
                 with self._load_lock:
-                    in_flight = [self._in_flight_tokens[k] for k in range(g)]
-                owners = assign([self._expected_tokens(ids[i]) for i in chunks], in_flight)
+                    in_flight = [self._in_flight_tokens[k] for k in active]
+                owners = [active[j] for j in assign([self._expected_tokens(ids[i]) for i in chunks], in_flight)]
         else:
             num = min(g, len(ids))
             bounds = [round(i * len(ids) / num) for i in range(num + 1)]
-            owners = [(batch_id + c) % g for c in range(num)]
+            owners = [active[(batch_id + c) % g] for c in range(num)]
             chunks = list(range(num))
         for c, owner in zip(chunks, owners):
             part = ids[bounds[c]:bounds[c + 1]]
@@ -348,8 +360,9 @@ class RolloutPipeline:
         ordered = [parts[c] for c in range(part.num_chunks)]
         if part.num_chunks > 1 and self.pool_size > 1:
             tokens = [sum(len(c.token_ids) for c in group) for p in ordered for group in p.completions]
-            owners = [p.generator_id for p in ordered for _ in p.prompt_ids]
-            assigned, counted = imbalance(tokens, owners, self.pool_size)
+            ids = {g: j for j, g in enumerate(sorted({p.generator_id for p in ordered}))}  # elastic: ids change
+            owners = [ids[p.generator_id] for p in ordered for _ in p.prompt_ids]
+            assigned, counted = imbalance(tokens, owners, max(self.pool_size, len(ids)))
             self.imbalance_sums[0] += assigned
             self.imbalance_sums[1] += counted
             self.imbalance_sums[2] += 1

@@ -30,8 +30,9 @@ def build_summary(pipeline, args, accelerator, steps: int, wall: float, loop_sec
         "sync_seconds": p.timers["sync_gather"] + p.timers["sync_transfer"],
         "sync_load_seconds": stats.get("sync/load_seconds", 0.0),
         "sync_bytes": p.sync_bytes,
-        "generators": len(args.generator_servers or args.generator_devices),
+        "generators": len(args.generator_servers or args.generator_devices),  # at start (autoscale: see below)
         "generator_versions": p.loaded_versions,
+        "generator_autoscale": p.autoscale,  # decisions and each generator's answers (generation/elastic.py); {}: off
         "generation_mode": "stream" if args.streaming else "batch",
         "generator_busy_seconds": p.busy_seconds,  # as of each generator's last weight acknowledgement
         "generated_tokens": p.gen_tokens,

@@ -158,6 +158,9 @@ class HTTPGeneratorPool:
         self.acks.overdue()
 
     # ---- messages (main thread) ------------------------------------------------------------------------------
+    def active_generators(self) -> list[int]:
+        return list(range(self.num_generators))
+
     def send_request(self, generator_id: int, request: GenerationRequest) -> None:
         self._schedule(generator_id, self._generate(self._servers[generator_id], request))
 

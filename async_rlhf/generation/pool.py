@@ -23,8 +23,18 @@ Guarantees:
   `worker.py`), each bounded in time. A pool never closed (its owner left by an unexpected path) kills its generators
   when it is garbage-collected or at interpreter exit, before `multiprocessing` would join them forever.
 
-Processes are started from the main thread only (`start`, and `check` which restarts): a generator's parent-death
-signal is tied to the thread that spawned it.
+Elastic membership (`generator_autoscale`, driven by `elastic.py`), with the guarantees above kept:
+* `add_generator` starts a generator on a new id; the newest weights are queued first in its inbox, and updates sent
+  while it starts are replaced by the newest one when it is ready. Requests go only to `active_generators()`, which
+  it joins once ready: it never samples with weights older than those queued when it got its first request;
+* `retire_generator` takes a generator out of `active_generators()` at once; it gets `Shutdown` only once every
+  request it holds is answered (`check`), so no request is lost, and a retiring generator that dies is restarted and
+  re-sent its requests like any other. A retired generator's outbox is read until it exits (its last answers count).
+
+Processes are started from the main thread only (`start`, `check` which restarts, `add_generator`): a generator's
+parent-death signal is tied to the thread that spawned it. How a generator is started is the launcher's business:
+`ProcessLauncher` (spawned processes, the default) or `ray_launcher.RayLauncher` (Ray actors,
+`generator_launcher='ray'`); both give the queue and process surface this pool uses.
 """
 
 from __future__ import annotations
@@ -45,23 +55,46 @@ from async_rlhf.types import GenerationRequest, RolloutBatch, Shutdown, WeightUp
 logger = logging.getLogger(__name__)
 
 
+class ProcessLauncher:
+    """Generators as spawned processes of learner rank 0, with `multiprocessing` queues (the default launcher)."""
+
+    def __init__(self):
+        self._ctx = mp.get_context("spawn")
+
+    def queues(self):
+        """(inbox, outbox) for one generator process."""
+        return self._ctx.Queue(), self._ctx.Queue()
+
+    def process(self, spec: GeneratorSpec, inbox, outbox):
+        return self._ctx.Process(target=generator_main, args=(spec, inbox, outbox), daemon=True,
+                                 name=f"async_rlhf-generator-{spec.generator_id}")
+
+    def close(self) -> None:
+        pass
+
+
 class GeneratorPool:
     """Generator processes on this machine (see `pool_protocol.GeneratorPoolProtocol`)."""
 
     def __init__(self, specs: list[GeneratorSpec], on_rollouts: Callable[[RolloutBatch], None],
-                 start_timeout: float, weight_sync_timeout: float, max_restarts: int = 3):
+                 start_timeout: float, weight_sync_timeout: float, max_restarts: int = 3, launcher=None):
         self.specs = list(specs)
         self.on_rollouts = on_rollouts
         self.start_timeout = start_timeout
         self.weight_sync_timeout = weight_sync_timeout
         self.max_restarts = max_restarts
-        self._ctx = mp.get_context("spawn")
-        self.inboxes = [self._ctx.Queue() for _ in self.specs]
-        self.outboxes = [self._ctx.Queue() for _ in self.specs]
+        self.launcher = launcher or ProcessLauncher()
+        boxes = [self.launcher.queues() for _ in self.specs]
+        self.inboxes = [b[0] for b in boxes]
+        self.outboxes = [b[1] for b in boxes]
         self.processes = [self._process(*args) for args in zip(self.specs, self.inboxes, self.outboxes)]
         self._merged: queue.Queue = queue.Queue()  # (generator index, incarnation, message) from every outbox
         self._incarnation = [0] * len(self.specs)  # bumped at each restart; older messages are stale
-        self.num_generators = len(self.specs)
+        self._joining: set[int] = set()  # added, not ready yet: no requests, no weights until ready
+        self._retiring: dict[int, float] = {}  # taken out of service -> time Shutdown was sent (0: still draining)
+        self.retired: dict[int, float] = {}  # generator -> time its process was seen gone
+        self._sent_version: dict[int, int] = {}  # joining generator -> version queued to it at spawn
+        self.answered: dict[int, list[int]] = {}  # generator -> [parts answered, oldest policy_version among them]
         self.acks = AckTracker([s.generator_id for s in self.specs], self.specs[0].initial_version,
                                weight_sync_timeout)
         self.restarts = {s.generator_id: 0 for s in self.specs}
@@ -78,8 +111,28 @@ class GeneratorPool:
         self._kill_at_exit = multiprocessing.util.Finalize(self, _kill_all, args=(self.processes,), exitpriority=10)
 
     def _process(self, spec: GeneratorSpec, inbox, outbox):
-        return self._ctx.Process(target=generator_main, args=(spec, inbox, outbox), daemon=True,
-                                 name=f"async_rlhf-generator-{spec.generator_id}")
+        return self.launcher.process(spec, inbox, outbox)
+
+    @property
+    def num_generators(self) -> int:
+        return len(self.active_generators())
+
+    def active_generators(self) -> list[int]:
+        """Generators that take requests: started and ready, not retiring or retired (restarting ones included:
+        their requests wait in their inbox)."""
+        with self._lock:
+            out = set(self._joining) | set(self._retiring) | set(self.retired)
+        return [s.generator_id for s in self.specs if s.generator_id not in out]
+
+    def joining(self) -> list[int]:
+        """Generators added and not ready yet."""
+        with self._lock:
+            return sorted(self._joining)
+
+    def settled(self) -> bool:
+        """No generator is joining or retiring."""
+        with self._lock:
+            return not self._joining and not self._retiring
 
     def _forward(self, i: int) -> None:
         """Start the thread that moves generator i's current outbox into `_merged`, tagged with its incarnation."""
@@ -149,13 +202,73 @@ class GeneratorPool:
             q.cancel_join_thread()  # never block interpreter exit on unflushed queue data
             q.close()
         self._kill_at_exit()  # nothing left to kill: only drops the exit hook
+        self.launcher.close()
+
+    # ---- elastic membership (main thread) ------------------------------------------------------------------
+    def add_generator(self, spec: GeneratorSpec) -> None:
+        """Start one more generator (`spec.generator_id` must be the next id). It joins `active_generators()` once
+        ready, with the newest weights queued ahead of any request."""
+        if spec.generator_id != len(self.specs):
+            raise ValueError(f"add_generator: generator id {spec.generator_id}, expected {len(self.specs)}")
+        if self._stopping.is_set():
+            return
+        inbox, outbox = self.launcher.queues()
+        with self._lock:
+            gid = spec.generator_id
+            self.specs.append(spec)
+            self.inboxes.append(inbox)
+            self.outboxes.append(outbox)
+            self.processes.append(self._process(spec, inbox, outbox))
+            self._incarnation.append(0)
+            self.restarts[gid] = 0
+            self._in_flight[gid] = {}
+            self._joining.add(gid)
+            self._starting[gid] = time.monotonic()
+            self.acks.add(gid, spec.initial_version)
+            update = self._last_update
+            self._sent_version[gid] = spec.initial_version
+            if update is not None:
+                self._sent_version[gid] = update.version
+                self.acks.sent(gid, update.version)
+                inbox.put(update)
+        self.processes[gid].start()
+        self._forward(gid)
+
+    def retire_generator(self, generator_id: int) -> None:
+        """Take a generator out of service now; `check` shuts it down once its requests are answered."""
+        with self._lock:
+            if generator_id in self._retiring or generator_id in self.retired:
+                return
+            self._retiring[generator_id] = 0.0
+
+    def advance_retiring(self, now: float) -> None:
+        """Shut down retiring generators whose requests are all answered; record those gone, SIGKILL the overdue."""
+        with self._lock:
+            drained = [g for g, t in self._retiring.items() if t == 0.0 and not self._in_flight[g]
+                       and g not in self._starting]
+            for g in drained:
+                self._retiring[g] = now
+                self.acks.remove(g)  # no more updates go to it, none is awaited from it
+                self.inboxes[g].put(Shutdown())
+            sent = [(g, t) for g, t in self._retiring.items() if t > 0.0]
+        for g, t in sent:
+            p = self.processes[g]
+            if p.exitcode is None and now - t > self.start_timeout:
+                _stop_process(p, 0.0)
+            if p.exitcode is not None:
+                with self._lock:
+                    del self._retiring[g]
+                    self.retired[g] = now
 
     # ---- messages --------------------------------------------------------------------------------------
     def send_weights(self, update: WeightUpdate) -> None:
         with self._lock:
             self._last_update = update
             for spec, inbox in zip(self.specs, self.inboxes):
-                self.acks.sent(spec.generator_id, update.version)
+                gid = spec.generator_id
+                if gid in self._joining or gid in self.retired or self._retiring.get(gid, 0.0) > 0.0:
+                    continue  # joining: gets the newest when ready; shut down: gets nothing more
+                self.acks.sent(gid, update.version)
                 inbox.put(update)
 
     def send_request(self, generator_id: int, request: GenerationRequest) -> None:
@@ -172,10 +285,11 @@ class GeneratorPool:
         self.acks.overdue(exempt=starting)
         for gid, since in starting.items():
             if now - since > self.start_timeout:
-                raise StageTimeout(f"generator start: restarted generator {gid} not ready within "
+                raise StageTimeout(f"generator start: restarted or added generator {gid} not ready within "
                                    f"{self.start_timeout:.0f}s")
+        self.advance_retiring(now)
         for i, (spec, p) in enumerate(zip(self.specs, self.processes)):
-            if p.exitcode is None:
+            if p.exitcode is None or self._retiring.get(i, 0.0) > 0.0 or i in self.retired:
                 continue
             if self._stopping.is_set():
                 raise GeneratorFailed(f"generator {spec.generator_id} ({spec.device}) exited with code {p.exitcode} "
@@ -199,7 +313,7 @@ class GeneratorPool:
         _stop_process(self.processes[i], 5.0)
         self.inboxes[i].cancel_join_thread()
         self.outboxes[i].cancel_join_thread()
-        inbox, outbox = self._ctx.Queue(), self._ctx.Queue()
+        inbox, outbox = self.launcher.queues()
         with self._lock:
             update = self._last_update
             version = update.version if update is not None else spec.initial_version
@@ -211,6 +325,8 @@ class GeneratorPool:
             if update is not None:  # FIFO: the newest weights load before any re-issued request
                 self.acks.sent(gid, version)
                 inbox.put(update)
+            if gid in self._joining:
+                self._sent_version[gid] = version
             for request in sorted(self._in_flight[gid].values(), key=lambda r: (r.batch_id, r.chunk)):
                 inbox.put(request)
         self.processes[i].start()
@@ -232,6 +348,9 @@ class GeneratorPool:
             if msg.kind == "rollouts":
                 with self._lock:  # a request answered twice (sent before a crash, then re-issued) counts once
                     fresh = self._in_flight[msg.generator_id].pop((msg.batch_id, msg.chunk), None) is not None
+                    if fresh:
+                        count, oldest = self.answered.get(msg.generator_id, [0, msg.policy_version])
+                        self.answered[msg.generator_id] = [count + 1, min(oldest, msg.policy_version)]
                 if fresh:
                     self.on_rollouts(msg)
                 continue
@@ -239,8 +358,15 @@ class GeneratorPool:
                 self.acks.acknowledged(msg.generator_id, msg.version, msg.seconds, msg.busy_seconds)
                 continue
             if msg.kind == "ready":
+                gid = msg.generator_id
                 with self._lock:
-                    self._starting.pop(msg.generator_id, None)
+                    self._starting.pop(gid, None)
+                    if gid in self._joining:  # updates sent while it started were held back: the newest now
+                        update = self._last_update
+                        if update is not None and update.version > self._sent_version[gid]:
+                            self.acks.sent(gid, update.version)
+                            self.inboxes[gid].put(update)
+                        self._joining.discard(gid)
 
 
 def _see_log(spec: GeneratorSpec) -> str:

@@ -11,6 +11,7 @@ Guarantees every pool gives the pipeline:
 * each generator receives its messages in the order sent, and tags every rollout with the version of the weights
   it had loaded when it sampled (so a request sent after `send_weights(v)` is sampled with version >= v);
 * `start` returns once every generator is up, or raises within the start timeout naming the generator;
+* `active_generators()` lists the ids requests may go to; a pool of fixed size returns every id;
 * `check` raises `GeneratorFailed` when a generator failed for good, and `StageTimeout` when a generator has not
   acknowledged a weight update within `weight_sync_timeout` (the `AckTracker` below, the same rule for both);
 * after `begin_stop` (the run is stopping: SIGINT/SIGTERM), no generator is restarted;
@@ -40,6 +41,8 @@ class GeneratorPoolProtocol(Protocol):
     def start(self) -> None: ...
 
     def send_request(self, generator_id: int, request: GenerationRequest) -> None: ...
+
+    def active_generators(self) -> list[int]: ...  # ids that take requests now (elastic pools change them)
 
     def send_weights(self, update: WeightUpdate) -> None: ...
 
@@ -86,6 +89,18 @@ class AckTracker:
         with self._lock:
             self._pending = {k: v for k, v in self._pending.items() if k[0] != generator_id}
             self.loaded_version[generator_id] = version
+
+    def add(self, generator_id: int, version: int) -> None:
+        """A generator joined the pool, starting from `version`'s weights."""
+        with self._lock:
+            self.loaded_version[generator_id] = version
+            self.busy_seconds.setdefault(generator_id, 0.0)
+
+    def remove(self, generator_id: int) -> None:
+        """A generator left the pool: nothing more is awaited from it (its busy seconds stay counted)."""
+        with self._lock:
+            self._pending = {k: v for k, v in self._pending.items() if k[0] != generator_id}
+            self.loaded_version.pop(generator_id, None)
 
     def waiting(self) -> int:
         """How many (generator, update) acknowledgements are outstanding."""
