@@ -54,6 +54,16 @@ class GeneratorSpec:
     weight_load: str = "drain"  # streaming: "drain" | "in_flight" (see `serve_loops.py`)
 
 
+def generator_specs(args, model_path: str, engine_kwargs: dict, initial_version: int) -> list[GeneratorSpec]:
+    """One spec per entry of `args.generator_devices` (an `AsyncRLConfig` with its backend already decided)."""
+    return [GeneratorSpec(generator_id=i, backend=args.generator_backend, model_path=model_path, device=device,
+                          seed=args.seed + i, threads=args.generator_threads, engine_kwargs=engine_kwargs,
+                          initial_version=initial_version,
+                          log_path=os.path.join(args.output_dir, "logs", f"generator-{i}.log"),
+                          streaming=args.streaming, weight_load=args.weight_load)
+            for i, device in enumerate(args.generator_devices)]
+
+
 def _restrict_device(device: str, threads: int) -> str:
     """Pin the process to its device before torch/vLLM import CUDA; returns the device name the backend sees."""
     if device.startswith("cuda:"):
