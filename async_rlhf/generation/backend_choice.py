@@ -153,7 +153,8 @@ def _measured_choice(args, model_config, dtype: str, workload: backend_probe.Wor
                                                ("vllm_tensor_parallel_size", args.vllm_tensor_parallel_size, 1))
              if value != default and not (name == "generation_mode" and value == "batch")]
     if needs or workload is None:
-        why = (f"{', '.join(needs)} needs it" if needs else "not measured: the policy has no local directory")
+        why = (f"{', '.join(needs)} needs it" if needs else
+               "not measured: the policy has no local directory, or the dataset has fewer prompts than a step")
         _say(args, f"generator_backend='auto': vllm ({why})")
         return "vllm"
     path = backend_probe.cache_path(args, model_config, dtype)
@@ -176,8 +177,8 @@ def _measured_choice(args, model_config, dtype: str, workload: backend_probe.Wor
         f = figures[b]
         if "error" in f:
             return f"{b} failed ({f['error']})"
-        return (f"{b} starts in {f['start_seconds']:.1f} s and samples a step in {f['step_seconds']:.2f} s "
-                f"({f['mode']}), {predicted[b]:.1f} s for this run")
+        return (f"{b} starts in {f['start_seconds']:.1f} s (+{f.get('warmup_seconds', 0):.1f} s first step) and "
+                f"samples a step in {f['step_seconds']:.2f} s ({f['mode']}): {predicted[b]:.1f} s for this run")
     _say(args, f"generator_backend='auto': {chosen}, measured faster for this run of {workload.total_steps} steps "
                f"on this CPU: {account(chosen)}; {account(next(b for b in predicted if b != chosen))} "
                f"({'measured ' + figures.get('measured_at', '?') + ', ' if cached else ''}cached in {path})")

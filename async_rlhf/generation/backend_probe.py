@@ -5,15 +5,17 @@ the transformers generator starts in 4 s and vLLM in 10-15 s (most of it importi
 in about the same time, so transformers wins a 100-step run; for a larger policy vLLM's faster sampling would pay for
 its start. So the choice is measured, not assumed: each backend runs in a real generator process started exactly as a
 run starts it (`pool.py`, the run's engine settings and threads), its start (spawn -> engine up) is timed, then it
-samples one step's prompts `ROUNDS` times (the first round is a warm-up; the median of the others counts). A run's
-generation time is predicted as start + steps x step time, scaled from the probed step to the run's step by samples x
+samples one step's prompts `ROUNDS` times (the median of all but the first is its step time; what the first took
+beyond that is its warm-up, vLLM's first batch: 3 s on the built-in task). A run's generation time is predicted as
+start + warm-up + steps x step time, the step time scaled from the probed step to the run's by samples x
 `max_new_tokens`; the backend with the smaller prediction is chosen (`backend_choice.py` decides and logs it).
 
 Bounded: each backend's start and each round wait at most `PROBE_TIMEOUT`; a backend that fails or times out is
 recorded as failed with its error, and the other one is chosen. The figures (and failures) are cached in
 `$ASYNC_RLHF_CACHE` (default `~/.cache/async_rlhf`)`/backend_choice/<key>.json`, the key a hash of what the speed
-depends on: the policy's config (not its weights), dtype, the generator's threads and engine settings, the CPU
-(model name, cores) and the versions of torch, transformers and vLLM. Delete the file to measure again. Each
+depends on: the policy's config (not its weights), dtype, the generator's threads, `generation_mode` and
+`vllm_enforce_eager`, the CPU (model name, cores) and the versions of torch, transformers and vLLM (not the context
+length or the run's batch: the step time is scaled to the run's, below). Delete the file to measure again. Each
 backend's output goes to `<output_dir>/logs/probe-<backend>.log`.
 """
 
@@ -69,7 +71,7 @@ def cache_path(args, model_config, dtype: str) -> str:
             pass
     key = {"config": config, "dtype": dtype, "threads": args.generator_threads, "cpu": _cpu_name(),
            "cores": os.cpu_count(), "versions": versions, "generation_mode": args.generation_mode,
-           "engines": {b: engine_kwargs(args, dtype, b) for b in BACKENDS}}
+           "enforce_eager": args.vllm_enforce_eager}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
     root = os.environ.get("ASYNC_RLHF_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "async_rlhf")
     return os.path.join(root, "backend_choice", f"{digest}.json")
@@ -129,8 +131,9 @@ def measure_backend(backend: str, args, workload: Workload, dtype: str, timeout:
         rounds = [_sample_one_step(pool, arrived, workload, streaming, r, timeout) for r in range(ROUNDS)]
     finally:
         pool.close()
-    return {"start_seconds": round(pool.start_seconds, 3), "step_seconds": round(statistics.median(rounds[1:]), 4),
-            "step_tokens": workload.step_tokens, "rounds": [round(r, 4) for r in rounds],
+    step = statistics.median(rounds[1:])
+    return {"start_seconds": round(pool.start_seconds, 3), "warmup_seconds": round(max(0.0, rounds[0] - step), 4),
+            "step_seconds": round(step, 4), "step_tokens": workload.step_tokens, "rounds": [round(r, 4) for r in rounds],
             "mode": "stream" if streaming else "batch"}
 
 
@@ -156,8 +159,8 @@ def _sample_one_step(pool: GeneratorPool, arrived: queue.Queue, workload: Worklo
 
 
 def predicted_seconds(figures: dict, workload: Workload) -> float | None:
-    """Start + the run's steps x the probed step time scaled to the run's step; None for a failed backend."""
+    """Start + warm-up + the run's steps x the probed step time scaled to the run's step; None for a failed backend."""
     if "error" in figures:
         return None
     step = figures["step_seconds"] * workload.step_tokens / max(1, figures["step_tokens"])
-    return figures["start_seconds"] + workload.total_steps * step
+    return figures["start_seconds"] + figures.get("warmup_seconds", 0.0) + workload.total_steps * step

@@ -22,7 +22,8 @@ Guarantees:
 * once `begin_stop` was called (the trainer got SIGINT/SIGTERM) no generator is restarted: `check` raises
   `GeneratorFailed` for one that died instead of starting another engine on the way out;
 * `close` always leaves no generator process alive: Shutdown, then SIGKILL (generators ignore SIGTERM and SIGINT, see
-  `worker.py`), each bounded in time. A pool never closed (its owner left by an unexpected path) kills its generators
+  `worker.py`), each bounded in time; SIGKILL at once where `start` never completed (an engine still starting reads
+  no inbox). A pool never closed (its owner left by an unexpected path) kills its generators
   when it is garbage-collected or at interpreter exit, before `multiprocessing` would join them forever.
 
 Processes are started from the main thread only (`start`, and `check` which restarts): a generator's parent-death
@@ -155,7 +156,9 @@ class GeneratorPool:
                     inbox.put(Shutdown())
                 except (ValueError, OSError):
                     pass
-        deadline = time.monotonic() + timeout
+        # a pool never started (spawned early by a trainer that was not trained, or failed to build): its generators
+        # are still starting, and read no inbox until their engine is up, so they are killed at once
+        deadline = time.monotonic() + (timeout if self._reader is not None else 0.0)
         for p in self.processes:
             _stop_process(p, max(0.0, deadline - time.monotonic()))
         if self._reader is not None:
