@@ -3,7 +3,8 @@
 A generator's start is mostly its own work (importing torch and vLLM or transformers, building its engine: 4-15 s on
 the 2-core development CPU), while the learner loads its policy, reference and reward models and builds the Trainer
 and, in `train()`, its optimizer. So the trainer's constructor spawns the generators (`spawn_early`, learner rank 0)
-as soon as what they start from is known, before any model loads; `train()` then builds the specs it needs as before
+as soon as what they start from is known, before it tokenizes the prompts (1 s for the built-in task's 8192) or
+loads any model; `train()` then builds the specs it needs as before
 (from a checkpoint, a LoRA merge, the loaded policy's dtype) and `adopt_or_close` keeps the early pool only if its
 specs are exactly those, else closes it and the pipeline starts the right generators: never a generator on the wrong
 weights or settings, at worst the start of before.
@@ -26,27 +27,42 @@ from async_rlhf.generation.backend_probe import Workload
 from async_rlhf.generation.placement import engine_kwargs
 from async_rlhf.generation.pool import GeneratorPool
 from async_rlhf.generation.worker import GeneratorSpec, generator_specs
-from async_rlhf.prompt_stream import PromptStream, total_steps
+from async_rlhf.data.prompts import prompt_text
+from async_rlhf.prompt_stream import total_steps
 from async_rlhf.types import SamplingSettings
 
 logger = logging.getLogger(__name__)
 
 
-def choose_backend_and_spawn(args, model, model_config, init_kwargs: dict,
-                             prompt_token_ids: list[list[int]]) -> GeneratorPool | None:
-    """The trainer's constructor, before any model loads: decide `generator_backend` ('auto': `backend_choice.py`,
-    timed on the run's first step where the policy has a directory) and spawn the generators (`spawn_early`)."""
+def choose_backend_and_spawn(args, model, model_config, init_kwargs: dict, train_dataset,
+                             tokenizer) -> GeneratorPool | None:
+    """The trainer's constructor, before the prompts are tokenized and any model loads: decide `generator_backend`
+    ('auto': `backend_choice.py`, timed on one step of the dataset's first prompts where the policy has a directory)
+    and spawn the generators (`spawn_early`)."""
     path = model if isinstance(model, str) and os.path.isfile(os.path.join(model, "config.json")) else None
     dtype = (predicted_dtype(init_kwargs, model_config) if isinstance(model, str)
              else str(next(model.parameters()).dtype).removeprefix("torch."))
     workload = None
-    if path and len(prompt_token_ids) >= args.prompts_per_step:  # too few prompts: refused when training starts
-        first = PromptStream(len(prompt_token_ids), args.prompts_per_step, args.seed).prompts_for_step(0)
-        workload = Workload(path, [prompt_token_ids[i] for i in first], SamplingSettings.from_config(args),
-                            max(1, total_steps(args, len(prompt_token_ids))))
+    if path and len(train_dataset) >= args.prompts_per_step:  # too few prompts: refused when training starts
+        first = _first_prompts(train_dataset, tokenizer, args.prompts_per_step, args.max_length - args.max_new_tokens)
+        if len(first) == args.prompts_per_step:
+            workload = Workload(path, first, SamplingSettings.from_config(args),
+                                max(1, total_steps(args, len(train_dataset))))
     architecture = (model_config.architectures or [type(model).__name__])[0]
     resolve_generator_backend(args, model_config, architecture, dtype, workload=workload)
     return spawn_early(args, model, dtype)
+
+
+def _first_prompts(dataset, tokenizer, count: int, max_prompt_length: int) -> list[list[int]]:
+    """Token ids of the dataset's first `count` prompts that fit (looking at most at 4 x `count` rows)."""
+    out = []
+    for prompt in dataset.select(range(min(len(dataset), 4 * count)))["prompt"]:
+        tokens = tokenizer(prompt_text(prompt, tokenizer), add_special_tokens=False)["input_ids"]
+        if len(tokens) <= max_prompt_length:
+            out.append(tokens)
+        if len(out) == count:
+            break
+    return out
 
 
 def predicted_dtype(init_kwargs: dict, model_config) -> str:

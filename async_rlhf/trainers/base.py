@@ -68,26 +68,34 @@ class AsyncTrainerBase(Trainer):
         check_generator_devices(args)
         check_shm_space(args, model if isinstance(model, str) else None)
 
-        # ---- tokenizer and prompts: cheap, so checked before any model loads -----------------------------------
+        # ---- tokenizer and the policy's config: cheap, so checked before any model loads -----------------------
         self._source_model_path = model if isinstance(model, str) else None
         processing_class = tokenizer_for(processing_class, model, self._source_model_path)
         if processing_class.eos_token_id is None:
             raise ConfigError("processing_class: the tokenizer has no eos_token; set one (completions must end)")
         if processing_class.pad_token_id is None:
             processing_class.pad_token = processing_class.eos_token
-        self.prompt_token_ids, kept_rows = tokenize_prompts(
-            train_dataset, processing_class, args.max_length - args.max_new_tokens)
-        self.prompt_rows = kept_rows  # prompt id -> dataset row
-        self.prompt_budgets = completion_budgets(train_dataset, kept_rows, args.max_new_tokens)  # None: one for all
-        model_config = AutoConfig.from_pretrained(model) if isinstance(model, str) else model.config
-        check_context_length(args, model_config)
+        try:
+            model_config = AutoConfig.from_pretrained(model) if isinstance(model, str) else model.config
+        except OSError:  # no such model: raised again once the prompts are checked (they need no model)
+            model_config = None
+        if model_config is not None:
+            check_context_length(args, model_config)
 
-        # ---- the generator backend, then the generators, which start while the models load (early_start.py) ---
+        # ---- the generator backend, then the generators, which start while the prompts are tokenized and the
+        # models load (generation/early_start.py) -----------------------------------------------------------------
         init_kwargs = args.model_init_kwargs or {}
-        self._early_pool = choose_backend_and_spawn(args, model, model_config, init_kwargs, self.prompt_token_ids)
+        self._early_pool = None if model_config is None else choose_backend_and_spawn(
+            args, model, model_config, init_kwargs, train_dataset, processing_class)
         if self._early_pool is not None:
             self.timeline.mark("generators_spawned")
         try:
+            self.prompt_token_ids, kept_rows = tokenize_prompts(
+                train_dataset, processing_class, args.max_length - args.max_new_tokens)
+            self.prompt_rows = kept_rows  # prompt id -> dataset row
+            self.prompt_budgets = completion_budgets(train_dataset, kept_rows, args.max_new_tokens)  # None: one for all
+            if model_config is None:
+                AutoConfig.from_pretrained(model)  # raises the loader's own error
             self._build(model, ref_model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
                         reward_processing_classes, peft_config, compute_metrics, callbacks, optimizers,
                         preprocess_logits_for_metrics, init_kwargs)
