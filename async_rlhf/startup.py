@@ -29,10 +29,12 @@ class StartupTimeline:
         self.process_start = _process_start()
         self.marks: dict[str, float] = {}
 
-    def mark(self, name: str) -> None:
+    def mark(self, name: str, seconds_ago: float = 0.0, replace: bool = False) -> None:
+        """Record `name` as reached now (or `seconds_ago`); kept the first time unless `replace`."""
         if name not in MILESTONES:
             raise ValueError(f"unknown start-up milestone {name!r}; expected one of {MILESTONES}")
-        self.marks.setdefault(name, round(time.time() - self.process_start, 3))
+        if replace or name not in self.marks:
+            self.marks[name] = round(time.time() - seconds_ago - self.process_start, 3)
 
     def as_dict(self) -> dict[str, float]:
         """Milestone -> seconds since process start, in the order reached."""

@@ -261,9 +261,10 @@ class AsyncTrainerBase(Trainer):
             signal.signal(sig, self._on_signal)
         t0 = time.perf_counter()
         try:
-            self.timeline.mark("generators_spawned")
             self.pipeline.start(restored["version"], restored["pending"], restored["counters"])
-            self.timeline.mark("generators_ready")
+            if self.pipeline.start_seconds:  # the generators' own account: early ones, or started just now
+                self.timeline.mark("generators_ready")
+                self.timeline.mark("generators_spawned", self.pipeline.start_seconds, replace=True)
             t_loop = time.perf_counter()
             output = super().train(resume_from_checkpoint=checkpoint, trial=trial,
                                    ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
