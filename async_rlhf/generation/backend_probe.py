@@ -5,7 +5,7 @@ the transformers generator starts in 4 s and vLLM in 10-15 s (most of it importi
 in about the same time, so transformers wins a 100-step run; for a larger policy vLLM's faster sampling would pay for
 its start. So the choice is measured, not assumed: each backend runs in a real generator process started exactly as a
 run starts it (`pool.py`, the run's engine settings and threads), its start (spawn -> engine up) is timed, then it
-samples one step's prompts `ROUNDS` times (the median of all but the first is its step time; what the first took
+samples `ROUNDS` steps of the run's first prompts (the median of all but the first is its step time; what the first took
 beyond that is its warm-up, vLLM's first batch: 3 s on the built-in task). A run's generation time is predicted as
 start + warm-up + steps x step time, the step time scaled from the probed step to the run's by samples x
 `max_new_tokens`; the backend with the smaller prediction is chosen (`backend_choice.py` decides and logs it).
@@ -41,6 +41,7 @@ from async_rlhf.types import GenerationRequest, SamplingSettings
 
 PROBE_TIMEOUT = 300.0  # seconds, per backend start and per round: vLLM took 15-25 s to start under a load of 5-8
 ROUNDS = 3
+PROBE_VERSION = 2  # in the cache key: figures of an older way of measuring are not reused
 BACKENDS = ("transformers", "vllm")
 
 
@@ -52,6 +53,13 @@ class Workload:
     prompt_token_ids: list[list[int]]  # [P][L_p] one step's prompts
     settings: SamplingSettings
     total_steps: int  # of the run, for the prediction
+    # more prompts, so that each timed step samples prompts of its own (vLLM caches prompt prefixes: a step of prompts
+    # it has seen would be faster than any step of the run); a round without P of its own repeats the first step's
+    extra_prompt_token_ids: list[list[int]] = dataclasses.field(default_factory=list)
+
+    def round_prompts(self, r: int) -> list[list[int]]:
+        every, p = self.prompt_token_ids + self.extra_prompt_token_ids, len(self.prompt_token_ids)
+        return every[r * p:(r + 1) * p] if (r + 1) * p <= len(every) else self.prompt_token_ids
 
     @property
     def step_tokens(self) -> int:
@@ -69,7 +77,7 @@ def cache_path(args, model_config, dtype: str) -> str:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             pass
-    key = {"config": config, "dtype": dtype, "threads": args.generator_threads, "cpu": _cpu_name(),
+    key = {"probe": PROBE_VERSION, "config": config, "dtype": dtype, "threads": args.generator_threads, "cpu": _cpu_name(),
            "cores": os.cpu_count(), "versions": versions, "generation_mode": args.generation_mode,
            "enforce_eager": args.vllm_enforce_eager}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -139,7 +147,7 @@ def measure_backend(backend: str, args, workload: Workload, dtype: str, timeout:
 
 def _sample_one_step(pool: GeneratorPool, arrived: queue.Queue, workload: Workload, streaming: bool, batch_id: int,
                      timeout: float) -> float:
-    prompts = workload.prompt_token_ids
+    prompts = workload.round_prompts(batch_id)
     groups = [[p] for p in range(len(prompts))] if streaming else [list(range(len(prompts)))]
     t0 = time.perf_counter()
     for chunk, ids in enumerate(groups):

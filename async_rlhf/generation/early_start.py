@@ -23,7 +23,7 @@ import logging
 import os
 
 from async_rlhf.generation.backend_choice import resolve_generator_backend
-from async_rlhf.generation.backend_probe import Workload
+from async_rlhf.generation.backend_probe import ROUNDS, Workload
 from async_rlhf.generation.placement import engine_kwargs
 from async_rlhf.generation.pool import GeneratorPool
 from async_rlhf.generation.worker import GeneratorSpec, generator_specs
@@ -44,10 +44,11 @@ def choose_backend_and_spawn(args, model, model_config, init_kwargs: dict, train
              else str(next(model.parameters()).dtype).removeprefix("torch."))
     workload = None
     if path and len(train_dataset) >= args.prompts_per_step:  # too few prompts: refused when training starts
-        first = _first_prompts(train_dataset, tokenizer, args.prompts_per_step, args.max_length - args.max_new_tokens)
-        if len(first) == args.prompts_per_step:
-            workload = Workload(path, first, SamplingSettings.from_config(args),
-                                max(1, total_steps(args, len(train_dataset))))
+        per = args.prompts_per_step
+        first = _first_prompts(train_dataset, tokenizer, ROUNDS * per, args.max_length - args.max_new_tokens)
+        if len(first) >= per:
+            workload = Workload(path, first[:per], SamplingSettings.from_config(args),
+                                max(1, total_steps(args, len(train_dataset))), extra_prompt_token_ids=first[per:])
     architecture = (model_config.architectures or [type(model).__name__])[0]
     resolve_generator_backend(args, model_config, architecture, dtype, workload=workload)
     return spawn_early(args, model, dtype)

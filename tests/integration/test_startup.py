@@ -80,7 +80,8 @@ def test_a_trainer_that_fails_to_build_leaves_no_generator_behind(tiny_model_dir
 def test_the_probe_times_a_real_transformers_generator(tiny_model_dir, tiny_run_config, tmp_path):
     before = _generators_alive()
     args = tiny_run_config(tmp_path)
-    workload = Workload(tiny_model_dir, [[5, 6, 7], [8, 9]], SamplingSettings(max_new_tokens=6, n=2, seed=0), 10)
+    workload = Workload(tiny_model_dir, [[5, 6, 7], [8, 9]], SamplingSettings(max_new_tokens=6, n=2, seed=0), 10,
+                        extra_prompt_token_ids=[[10, 11], [12], [13, 14], [15]])
     t0 = time.monotonic()
     figures = measure_backend("transformers", args, workload, "float32", timeout=120)
     assert 0 < figures["start_seconds"] < time.monotonic() - t0

@@ -209,3 +209,12 @@ def test_the_probe_reads_vllm_in_a_child_process_and_caches_it(tmp_path, monkeyp
     facts = vllm_facts()  # runs `python -m async_rlhf.generation.backend_choice`
     (cached,) = (tmp_path / "vllm_facts").iterdir()
     assert cached.name.startswith(facts["vllm"]) and "LlamaForCausalLM" in facts["architectures"]
+
+
+def test_each_timed_step_samples_prompts_of_its_own():
+    """vLLM caches prompt prefixes: a probe that sampled the same prompts every round would time steps faster than
+    any of the run's. Rounds take the next prompts while there are enough, else repeat the first step's."""
+    w = Workload("policy", [[1], [2]], SamplingSettings(max_new_tokens=4, n=2), 10,
+                 extra_prompt_token_ids=[[3], [4], [5]])
+    assert [w.round_prompts(r) for r in range(3)] == [[[1], [2]], [[3], [4]], [[1], [2]]]
+    assert w.step_tokens == 2 * 2 * 4  # one step: the first step's prompts only
