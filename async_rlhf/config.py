@@ -78,11 +78,13 @@ class AsyncRLConfig(TrainingArguments):
     # ---- generators ------------------------------------------------------------------------------------------
     generator_backend: str = field(
         default="auto",
-        metadata={"help": "Sampling engine in each generator process: 'vllm', 'transformers' or 'auto': vLLM where it "
-                  "can serve the policy on the generator devices (architecture, dtype and head size, read from the "
-                  "policy's config against the installed vLLM), else transformers with one warning naming why. The "
-                  "trainer decides when it is built, before any generator starts, and writes the choice here. "
-                  "TRL's use_vllm=True/False sets 'vllm'/'transformers'."},
+        metadata={"help": "Sampling engine in each generator process: 'vllm', 'transformers' or 'auto': transformers "
+                  "where vLLM cannot serve the policy on the generator devices (architecture, dtype and head size, "
+                  "read from the policy's config against the installed vLLM), with one warning naming why; where it "
+                  "can, vLLM on GPU, and on CPU the one measured faster for this run (both timed on the policy once "
+                  "per machine, cached; generation/backend_probe.py), with one line giving the figures. The trainer "
+                  "decides when it is built, before any generator starts, and writes the choice here. TRL's "
+                  "use_vllm=True/False sets 'vllm'/'transformers'."},
     )
     generation_mode: str = field(
         default="auto",
@@ -164,7 +166,8 @@ class AsyncRLConfig(TrainingArguments):
                                         "generators' threads, shared among the local ranks, at least 1)."}
     )
     generator_start_timeout: float = field(
-        default=600.0, metadata={"help": "Seconds to wait for a generator's engine to start."}
+        default=600.0, metadata={"help": "Seconds to wait for a generator's engine to start, counted from its spawn "
+                                         "(in the trainer's constructor: it starts while the models load)."}
     )
     generator_max_restarts: int = field(
         default=3, metadata={"help": "Restarts allowed per generator that dies; then the run fails naming it."}

@@ -45,7 +45,8 @@ from async_rlhf.generation.elastic import make_elastic
 from async_rlhf.generation.pool import GeneratorPool
 from async_rlhf.generation.ray_launcher import make_launcher
 from async_rlhf.generation.pool_protocol import GeneratorFailed, GeneratorPoolProtocol
-from async_rlhf.generation.worker import GeneratorSpec
+from async_rlhf.generation.early_start import adopt_or_close
+from async_rlhf.generation.worker import generator_spec, generator_specs
 from async_rlhf.partial_rollouts import PartialRollouts, restore_partial
 from async_rlhf.prompt_stream import PromptStream
 from async_rlhf.staleness_queue import StageTimeout, StalenessQueue
@@ -63,9 +64,11 @@ class RolloutPipeline:
     def __init__(self, args, prompt_token_ids: list[list[int]], generator_model_path: str, accelerator,
                  total_steps: int, settings: SamplingSettings, engine_kwargs: dict | None = None,
                  score: Callable[[list[RolloutBatch]], list[RolloutBatch]] | None = None,
-                 budgets: list[int] | None = None):
+                 budgets: list[int] | None = None, early_pool: GeneratorPool | None = None):
         """`score`: score a part on rank 0 as it arrives (`scoring_stage.py`); None: the learner scores batches.
-        `budgets`: each prompt's own `max_new_tokens` (a dataset column, `data/prompts.py`); None: the settings'."""
+        `budgets`: each prompt's own `max_new_tokens` (a dataset column, `data/prompts.py`); None: the settings'.
+        `early_pool`: generators spawned while the learner loaded (`generation/early_start.py`): `start` uses them
+        if they are what it would start, else closes them."""
         self.args = args
         self.accelerator = accelerator
         self.is_main = accelerator.is_main_process
@@ -88,7 +91,8 @@ class RolloutPipeline:
         self.syncs = 0
         self.gen_tokens = 0
         self.gen_seconds = 0.0
-        self.start_seconds = 0.0
+        self.start_seconds = 0.0  # generators spawned -> ready
+        self.start_wait_seconds = 0.0  # of which the learner waited in `start`
         self.load_seconds = 0.0  # generator-side weight loading, summed (kept after close)
         self.busy_seconds = 0.0  # generator-side sampling time, summed (kept after close; local generators only)
         self.loaded_versions: dict[int, int] = {}  # generator id -> last acknowledged version (kept after close)
@@ -97,6 +101,7 @@ class RolloutPipeline:
         self._sync_failure: GeneratorFailed | None = None  # a failed publish, raised by the next batch_for_step
         self._score = score
         self.scoring: ScoringStage | None = None
+        self._early_pool = early_pool
         self.budgets = budgets
         self.lengths = LengthEstimator(settings.max_new_tokens, budgets)  # observed by the reader thread, read by dispatch
         self.pool_size = 0  # generators, once started
@@ -145,24 +150,20 @@ class RolloutPipeline:
                 token=os.environ.get(TOKEN_ENV, ""), min_model_len=a.max_length, weight_load=a.weight_load)
         else:
             self.transport = make_transport(a, self.accelerator.device)
-
-            def spec(i: int, dev: str) -> GeneratorSpec:
-                return GeneratorSpec(generator_id=i, backend=a.generator_backend, model_path=self.generator_model_path,
-                                     device=dev, seed=a.seed + i, threads=a.generator_threads,
-                                     engine_kwargs=self.engine_kwargs, initial_version=initial_version,
-                                     log_path=os.path.join(a.output_dir, "logs", f"generator-{i}.log"),
-                                     streaming=a.streaming, weight_load=a.weight_load)
-
-            self.pool = GeneratorPool([spec(i, dev) for i, dev in enumerate(a.generator_devices)], self._on_rollouts,
-                                      a.generator_start_timeout, a.weight_sync_timeout, a.generator_max_restarts,
-                                      launcher=make_launcher(a))
-            self.elastic = make_elastic(a, self.pool, self.accelerator.num_processes, spec)
+            specs = generator_specs(a, self.generator_model_path, self.engine_kwargs, initial_version)
+            early, self._early_pool = self._early_pool, None
+            self.pool = adopt_or_close(early, specs, self._on_rollouts) or GeneratorPool(
+                specs, self._on_rollouts, a.generator_start_timeout, a.weight_sync_timeout, a.generator_max_restarts,
+                launcher=make_launcher(a))
+            self.elastic = make_elastic(a, self.pool, self.accelerator.num_processes, lambda i, dev: generator_spec(
+                a, self.generator_model_path, self.engine_kwargs, initial_version, i, dev))
         try:
             self.pool.start()
         except BaseException:
             self.close()
             raise
         self.start_seconds = self.pool.start_seconds
+        self.start_wait_seconds = getattr(self.pool, "start_wait_seconds", self.start_seconds)
         self.pool_size = self.pool.num_generators
         self._dispatch()
 
@@ -175,6 +176,9 @@ class RolloutPipeline:
     def close(self) -> None:
         if self.elastic is not None:
             self.autoscale = self.elastic.summary()
+        if self._early_pool is not None:  # never started (rank 0 resumed from the final checkpoint)
+            self._early_pool.close()
+            self._early_pool = None
         if self.pool is not None:
             self.pool.close()  # first: it may still record the acknowledgements of the last weights
             self.load_seconds = sum(self.pool.acks.load_seconds)

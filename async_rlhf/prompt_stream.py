@@ -8,7 +8,16 @@ and no prompt is used twice or skipped within an epoch.
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+
+def total_steps(args, num_prompts: int) -> int:
+    """Optimizer steps of a run: `max_steps` when set, else `num_train_epochs` epochs of whole steps."""
+    if args.max_steps > 0:
+        return args.max_steps
+    return math.ceil(args.num_train_epochs * (num_prompts // args.prompts_per_step))
 
 
 class PromptStream:

@@ -9,6 +9,7 @@ prediction from the run's own stage times and names a predicted-faster configura
 from __future__ import annotations
 
 from async_rlhf.plan.feedback import feedback, format_feedback
+from async_rlhf.startup import StartupTimeline
 
 FINAL_METRICS = ("objective/scores", "objective/kl", "objective/rlhf_reward", "loss")
 
@@ -23,7 +24,8 @@ def build_summary(pipeline, args, accelerator, steps: int, wall: float, loop_sec
         "samples": steps * args.prompts_per_step * args.num_generations,
         "wall_seconds": wall,
         "loop_seconds": loop_seconds,
-        "generator_start_seconds": p.start_seconds,
+        "generator_start_seconds": p.start_seconds,  # spawned -> ready (spawned while the trainer was built)
+        "generator_start_wait_seconds": p.start_wait_seconds,  # of which the learner waited, in train()
         "generate_seconds": p.gen_seconds,
         "train_seconds": loop_seconds - p.timers["wait"],  # learner busy: all but waiting for rollouts
         "wait_seconds": p.timers["wait"],
@@ -68,11 +70,12 @@ def format_summary(s: dict) -> str:
     return "\n".join([
         "=== async_rlhf run summary ===",
         f"steps {s['steps']} | prompts {s['prompts']} | samples {s['samples']} | wall {s['wall_seconds']:.1f}s "
-        f"(generator start {s['generator_start_seconds'] or 0:.1f}s)",
+        f"(generator start {s['generator_start_seconds'] or 0:.1f}s, {s.get('generator_start_wait_seconds') or 0:.1f}s of it "
+        "waited in train())",
         f"time: generating {s['generate_seconds']:.1f}s | training {s['train_seconds']:.1f}s | learner waiting "
         f"{s['wait_seconds']:.1f}s | syncing {s['sync_seconds']:.2f}s (+{s['sync_load_seconds']:.2f}s loading in "
         f"generators, {s['sync_bytes'] / 1e6:.1f} MB)",
         f"staleness histogram (steps behind: batches) {{{hist}}} | bound {s['max_staleness']} | dropped "
         f"{s['dropped']} | regenerated {s['regenerated']} | rewards skipped {s['rewards_skipped']}",
         f"final: {final}",
-    ] + ([format_feedback(s["plan"])] if s.get("plan") else []))
+    ] + ([StartupTimeline.format(s["startup"])] if s.get("startup") else []) + ([format_feedback(s["plan"])] if s.get("plan") else []))

@@ -35,6 +35,8 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# this folder off the path: its profile.py would shadow the standard library's, which torch._dynamo imports
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.join(ROOT, "benchmarks")]
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
@@ -101,6 +103,7 @@ def run_ours(args, script, config) -> dict:
             "learner_threads": config.cpu_learner_threads(),
             "generator_threads": config.generator_threads, "num_generations": config.num_generations,
             "generator_start_seconds": s.get("generator_start_seconds"), "learner_wait_seconds": s.get("wait_seconds"),
+            "generator_backend": config.generator_backend, "startup": s.get("startup", {}),
             "summary": {k: v for k, v in s.items() if isinstance(v, (int, float))}}
 
 
@@ -230,13 +233,14 @@ def report(results: list[dict], runs: list[dict], args, start_win_rate: float) -
                   + (f"  {ratio:.2f}x" if ratio and n != "trl" else ""))
         summary["thresholds"].append({"win_rate": thr, "label": label, "seconds": times})
     print("\nper run: clock s | building the trainer s | evaluation s | process wall s | (ours) generator start s, "
-          "generating s, learner training s, learner waiting s")
+          "generating s, learner training s, learner waiting s | backend, first optimizer step s after process start")
     for r in results:
         extra = ""
         if r["trainer"] == "ours":
             s = r["summary"]
             extra = (f" | {s['generator_start_seconds']:.0f}, {s['generate_seconds']:.0f}, {s['train_seconds']:.0f}, "
-                     f"{s['wait_seconds']:.0f}")
+                     f"{s['wait_seconds']:.0f} | {r.get('generator_backend')}, "
+                     f"{_fmt(r.get('startup', {}).get('first_step'))}")
         print(f"  {r['name']:<{width}} seed {r['seed']}: {r['train_seconds']:.0f} | {r['build_seconds']:.1f} | "
               f"{r['eval_seconds']:.0f} | "
               f"{r['process_wall_seconds']:.0f}{extra}")

@@ -24,6 +24,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.integration)
 
 
+@pytest.fixture(autouse=True)
+def _collect_unused_generators():
+    """A trainer built but never trained keeps the generators it spawned early (generation/early_start.py) until it
+    is garbage-collected; trainers sit in reference cycles, so collect after any test that leaves generator children,
+    before the next test counts its own."""
+    yield
+    import multiprocessing
+
+    if any(p.name.startswith("async_rlhf-generator") for p in multiprocessing.active_children()):
+        import gc
+
+        gc.collect()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A tiny random Llama with the char tokenizer, saved once per test session."""

@@ -1,4 +1,6 @@
-"""`generator_backend="auto"`: vLLM where it can serve the policy on the generator devices, else transformers.
+"""`generator_backend="auto"`: the faster backend that can serve the policy, measured on CPU.
+
+First, can vLLM serve the policy at all?
 
 Decided on the learner when the trainer is built, before any generator starts, from the policy's config (its
 architecture, dtype and attention head size) against what the installed vLLM supports:
@@ -13,6 +15,13 @@ learner never imports it: a child process (`python -m async_rlhf.generation.back
 vLLM version and platform and they are kept in `$ASYNC_RLHF_CACHE` (default `~/.cache/async_rlhf`)`/vllm_facts/`.
 Where vLLM cannot serve the model, one warning line names why and the transformers backend is used. Generator
 servers (`generator_servers`) are vLLM servers: 'auto' is then 'vllm' without asking.
+
+Then, where it can: on GPU generators vLLM is taken (not measured here: no GPU was lent to measure on). On CPU
+generators both backends are timed on the policy at hand (`backend_probe.py`: a real generator process each, once
+per policy shape, machine and library versions, cached) and the one predicted faster for this run is taken, unless
+a setting only vLLM has asks for it (`generation_mode='stream'`, `weight_load='in_flight'`, tensor parallelism:
+vLLM then, unmeasured). One line says what was chosen and why, with the figures. TRL's `use_vllm=True` sets
+`generator_backend='vllm'` before any of this (`trl_fields.py`), so it always gets vLLM.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import sys
 import tempfile
 
 from async_rlhf.config import ConfigError
+from async_rlhf.generation import backend_probe
 
 logger = logging.getLogger(__name__)
 
@@ -115,14 +125,16 @@ def why_not_vllm(args, model_config, architecture: str, dtype: str, facts_fn=vll
     return None
 
 
-def resolve_generator_backend(args, model_config, architecture: str, dtype: str, facts_fn=vllm_facts) -> str:
-    """Replace `args.generator_backend == "auto"` by the backend chosen (written back into `args`); returns it."""
+def resolve_generator_backend(args, model_config, architecture: str, dtype: str, facts_fn=vllm_facts,
+                              workload: backend_probe.Workload | None = None) -> str:
+    """Replace `args.generator_backend == "auto"` by the backend chosen (written back into `args`); returns it.
+    `workload`: what to time both backends on (CPU generators); None: not measurable (no policy directory)."""
     if args.generator_backend != "auto":
         return args.generator_backend
     reason = None if args.generator_servers else why_not_vllm(args, model_config, architecture, dtype, facts_fn)
     if reason is None:
-        args.generator_backend = "vllm"
-        return "vllm"
+        args.generator_backend = _measured_choice(args, model_config, dtype, workload)
+        return args.generator_backend
     if getattr(args, "partial_rollouts", 0):
         raise ConfigError(f"partial_rollouts: needs streaming vLLM generators, and generator_backend='auto' cannot "
                           f"use vLLM here: {reason}")
@@ -133,6 +145,52 @@ def resolve_generator_backend(args, model_config, architecture: str, dtype: str,
         logger.warning("generator_backend='auto': using transformers, not vLLM: %s", reason)
     args.generator_backend = "transformers"
     return "transformers"
+
+
+def _measured_choice(args, model_config, dtype: str, workload: backend_probe.Workload | None) -> str:
+    """vLLM can serve the policy: on CPU, the backend measured faster for this run (see the module docstring)."""
+    if args.generator_servers or any(d != "cpu" for d in args.generator_devices):
+        return "vllm"
+    needs = [name for name, value, default in (("generation_mode", args.generation_mode, "auto"),
+                                               ("weight_load", args.weight_load, "drain"),
+                                               ("vllm_tensor_parallel_size", args.vllm_tensor_parallel_size, 1))
+             if value != default and not (name == "generation_mode" and value == "batch")]
+    if needs or workload is None:
+        why = (f"{', '.join(needs)} needs it" if needs else
+               "not measured: the policy has no local directory, or the dataset has fewer prompts than a step")
+        _say(args, f"generator_backend='auto': vllm ({why})")
+        return "vllm"
+    path = backend_probe.cache_path(args, model_config, dtype)
+    with args.main_process_first(local=False, desc="generator backend probe"):  # rank 0 measures, then the others read
+        figures = backend_probe.read_cached(path)
+        cached = figures is not None
+        if not cached and args.process_index == 0:
+            figures = backend_probe.measure_backends(args, workload, dtype)
+            backend_probe.write_cached(path, figures)
+    if figures is None:  # another rank, and rank 0 could not write the cache: what rank 0 would most likely pick
+        return "vllm"
+    predicted = {b: backend_probe.predicted_seconds(figures[b], workload) for b in backend_probe.BACKENDS}
+    if all(v is None for v in predicted.values()):
+        raise RuntimeError(f"generator_backend='auto': neither backend could start on {workload.model_path}: "
+                           f"transformers: {figures['transformers']['error']}; vllm: {figures['vllm']['error']} "
+                           f"(cached in {path}; delete it to measure again)")
+    chosen = min((b for b in predicted if predicted[b] is not None), key=lambda b: predicted[b])
+
+    def account(b):
+        f = figures[b]
+        if "error" in f:
+            return f"{b} failed ({f['error']})"
+        return (f"{b} starts in {f['start_seconds']:.1f} s (+{f.get('warmup_seconds', 0):.1f} s first step) and "
+                f"samples a step in {f['step_seconds']:.2f} s ({f['mode']}): {predicted[b]:.1f} s for this run")
+    _say(args, f"generator_backend='auto': {chosen}, measured faster for this run of {workload.total_steps} steps "
+               f"on this CPU: {account(chosen)}; {account(next(b for b in predicted if b != chosen))} "
+               f"({'measured ' + figures.get('measured_at', '?') + ', ' if cached else ''}cached in {path})")
+    return chosen
+
+
+def _say(args, line: str) -> None:
+    if args.process_index == 0:
+        logger.warning("%s", line)
 
 
 def _probe() -> dict:

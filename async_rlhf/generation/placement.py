@@ -76,9 +76,10 @@ def check_shm_space(args: AsyncRLConfig, model_path: str | None) -> None:
                           f"in {model_path}). Free space there or point shm_dir at a larger RAM-backed directory.")
 
 
-def engine_kwargs(args: AsyncRLConfig, policy: torch.nn.Module) -> dict:
-    dtype = str(next(policy.parameters()).dtype).replace("torch.", "")
-    if args.generator_backend != "vllm":
+def engine_kwargs(args: AsyncRLConfig, policy: torch.nn.Module | str, backend: str | None = None) -> dict:
+    """`policy`: the learner's policy, or its dtype's name ('float32'); `backend`: default `args.generator_backend`."""
+    dtype = policy if isinstance(policy, str) else str(next(policy.parameters()).dtype).replace("torch.", "")
+    if (backend or args.generator_backend) != "vllm":
         return {"dtype": dtype}
     return {"dtype": dtype, "max_model_len": args.vllm_max_model_len or args.max_length,
             "gpu_memory_utilization": args.vllm_gpu_memory_utilization, "enforce_eager": args.vllm_enforce_eager,

@@ -11,7 +11,9 @@ report (the requests it held are re-issued anyway).
 
 Guarantees:
 * every message to a generator is delivered in the order sent (one FIFO inbox per generator);
-* `start` returns only once every engine is up, or raises within `start_timeout` naming the generator;
+* `spawn` starts the processes and returns at once (the learner loads its models meanwhile: `early_start.py`);
+  `start` (which spawns first if that was not done) returns only once every engine is up, or raises naming the
+  generator; `start_timeout` counts from the spawn;
 * a generator that dies or reports an error is restarted (at most `max_restarts` times per generator) with the
   newest weights, and the requests it had not answered are re-issued to it: no batch is lost. Past the limit,
   `check` raises `GeneratorFailed` naming the generator and its last error;
@@ -20,7 +22,8 @@ Guarantees:
 * once `begin_stop` was called (the trainer got SIGINT/SIGTERM) no generator is restarted: `check` raises
   `GeneratorFailed` for one that died instead of starting another engine on the way out;
 * `close` always leaves no generator process alive: Shutdown, then SIGKILL (generators ignore SIGTERM and SIGINT, see
-  `worker.py`), each bounded in time. A pool never closed (its owner left by an unexpected path) kills its generators
+  `worker.py`), each bounded in time; SIGKILL at once where `start` never completed (an engine still starting reads
+  no inbox). A pool never closed (its owner left by an unexpected path) kills its generators
   when it is garbage-collected or at interpreter exit, before `multiprocessing` would join them forever.
 
 Elastic membership (`generator_autoscale`, driven by `elastic.py`), with the guarantees above kept:
@@ -76,7 +79,7 @@ class ProcessLauncher:
 class GeneratorPool:
     """Generator processes on this machine (see `pool_protocol.GeneratorPoolProtocol`)."""
 
-    def __init__(self, specs: list[GeneratorSpec], on_rollouts: Callable[[RolloutBatch], None],
+    def __init__(self, specs: list[GeneratorSpec], on_rollouts: Callable[[RolloutBatch], None] | None,
                  start_timeout: float, weight_sync_timeout: float, max_restarts: int = 3, launcher=None):
         self.specs = list(specs)
         self.on_rollouts = on_rollouts
@@ -106,7 +109,9 @@ class GeneratorPool:
         self._stop = threading.Event()  # close() began: the reader stops
         self._stopping = threading.Event()  # begin_stop() or close() was called: no more restarts
         self._reader: threading.Thread | None = None
-        self.start_seconds = 0.0
+        self._spawned_at: float | None = None  # time.monotonic() of `spawn`
+        self.start_seconds = 0.0  # spawn -> every engine up
+        self.start_wait_seconds = 0.0  # of which the caller of `start` waited (the rest overlapped its own work)
         # runs before multiprocessing's exit handler terminates (SIGTERM, ignored) and joins daemonic children
         self._kill_at_exit = multiprocessing.util.Finalize(self, _kill_all, args=(self.processes,), exitpriority=10)
 
@@ -151,18 +156,28 @@ class GeneratorPool:
         threading.Thread(target=forward, name=f"async_rlhf-outbox-{i}.{incarnation}", daemon=True).start()
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
-    def start(self) -> None:
-        t0 = time.monotonic()
+    def spawn(self) -> None:
+        """Start every generator process and return at once; `start` waits for their engines."""
+        if self._spawned_at is not None:
+            return
+        self._spawned_at = time.monotonic()
         for i, p in enumerate(self.processes):
             p.start()
             self._forward(i)
+
+    def start(self) -> None:
+        """Spawn (unless `spawn` was called) and wait until every engine is up; `on_rollouts` must be set by then."""
+        if self.on_rollouts is None:
+            raise ValueError("GeneratorPool.start: on_rollouts is not set")
+        self.spawn()
+        t0, waited_from = self._spawned_at, time.monotonic()
         ready: set[int] = set()
         while len(ready) < len(self.specs):
             left = self.start_timeout - (time.monotonic() - t0)
             if left <= 0:
                 missing = [s.generator_id for s in self.specs if s.generator_id not in ready]
                 raise StageTimeout(f"generator start: generator(s) {missing} not ready within "
-                                   f"{self.start_timeout:.0f}s (raise generator_start_timeout if the engine is slow)")
+                                   f"{self.start_timeout:.0f}s of being spawned (raise generator_start_timeout if the engine is slow)")
             try:
                 _, _, msg = self._merged.get(timeout=min(left, 1.0))
             except queue.Empty:
@@ -177,6 +192,7 @@ class GeneratorPool:
                 raise GeneratorFailed(f"generator {msg.generator_id} failed to start:\n{msg.message}"
                                       f"{_see_log({s.generator_id: s for s in self.specs}[msg.generator_id])}")
         self.start_seconds = time.monotonic() - t0
+        self.start_wait_seconds = time.monotonic() - waited_from
         self._reader = threading.Thread(target=self._read, name="async_rlhf-rollout-reader", daemon=True)
         self._reader.start()
 
@@ -193,7 +209,9 @@ class GeneratorPool:
                     inbox.put(Shutdown())
                 except (ValueError, OSError):
                     pass
-        deadline = time.monotonic() + timeout
+        # a pool never started (spawned early by a trainer that was not trained, or failed to build): its generators
+        # are still starting, and read no inbox until their engine is up, so they are killed at once
+        deadline = time.monotonic() + (timeout if self._reader is not None else 0.0)
         for p in self.processes:
             _stop_process(p, max(0.0, deadline - time.monotonic()))
         if self._reader is not None:

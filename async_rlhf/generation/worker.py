@@ -54,6 +54,22 @@ class GeneratorSpec:
     weight_load: str = "drain"  # streaming: "drain" | "in_flight" (see `serve_loops.py`)
 
 
+def generator_spec(args, model_path: str, engine_kwargs: dict, initial_version: int, generator_id: int,
+                   device: str) -> GeneratorSpec:
+    """Generator `generator_id` on `device` (`args`: an `AsyncRLConfig` with its backend already decided)."""
+    return GeneratorSpec(generator_id=generator_id, backend=args.generator_backend, model_path=model_path,
+                         device=device, seed=args.seed + generator_id, threads=args.generator_threads,
+                         engine_kwargs=engine_kwargs, initial_version=initial_version,
+                         log_path=os.path.join(args.output_dir, "logs", f"generator-{generator_id}.log"),
+                         streaming=args.streaming, weight_load=args.weight_load)
+
+
+def generator_specs(args, model_path: str, engine_kwargs: dict, initial_version: int) -> list[GeneratorSpec]:
+    """One spec per entry of `args.generator_devices`."""
+    return [generator_spec(args, model_path, engine_kwargs, initial_version, i, device)
+            for i, device in enumerate(args.generator_devices)]
+
+
 def _restrict_device(device: str, threads: int) -> str:
     """Pin the process to its device before torch/vLLM import CUDA; returns the device name the backend sees."""
     if device.startswith("cuda:"):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import collections
 import json
-import math
 import os
 import signal
 import tempfile
@@ -21,69 +20,29 @@ import time
 
 import torch
 from torch.utils.data import DataLoader
-from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainerCallback
+from transformers import AutoConfig, AutoModelForCausalLM, Trainer
 
 from async_rlhf import checkpointing, peft_policy
 from async_rlhf.config import AsyncRLConfig, ConfigError
 from async_rlhf.data.prompts import check_prompt_dataset, completion_budgets, tokenize_prompts
 from async_rlhf.frozen_models import prepare_frozen, reference_model
-from async_rlhf.generation.backend_choice import resolve_generator_backend
+from async_rlhf.generation.early_start import choose_backend_and_spawn
 from async_rlhf.generation.placement import (check_context_length, check_generator_devices, check_shm_space,
                                              engine_kwargs,
                                              initial_model_dir)
 from async_rlhf.generation.pool_protocol import GeneratorFailed
 from async_rlhf.pipeline import RolloutPipeline
+from async_rlhf.prompt_stream import total_steps
 from async_rlhf.run_summary import build_summary, format_summary
 from async_rlhf.scoring import RewardScorer, score_parts, score_rows
 from async_rlhf.staleness_queue import StageTimeout
+from async_rlhf.startup import StartupTimeline
+from async_rlhf.trainers.hooks import PipelineHooks, StepTickets, disable_dropout
 from async_rlhf.trainers.nonfinite import NonFiniteGuard, NonFiniteSteps
 from async_rlhf.trainers.trl_compat import check_trl_arguments, set_trl_attributes, tokenizer_for
 from async_rlhf.types import RolloutBatch, SamplingSettings, ScoredGroup
 
 LOG_HISTORY_KEPT = 100  # entries of `state.log_history` kept in memory; metrics.jsonl holds them all
-
-
-class _StepTickets(torch.utils.data.Dataset):
-    """One item per micro-batch; the real data comes from the pipeline."""
-
-    def __init__(self, n: int):
-        self.n = n
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        return i
-
-
-class _PipelineHooks(TrainerCallback):
-    def __init__(self, trainer: "AsyncTrainerBase"):
-        self.trainer = trainer
-        self._t0 = time.perf_counter()
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self._t0 = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.trainer.after_optimizer_step()
-        self.trainer.pipeline.after_optimizer_step(self.trainer.model, state.global_step)
-        if self.trainer.stop_requested():  # SIGTERM / SIGINT: checkpoint this step, then stop
-            control.should_save = True
-            control.should_training_stop = True
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if state.is_world_process_zero and logs is not None:
-            os.makedirs(args.output_dir, exist_ok=True)
-            with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
-                # elapsed_seconds: since this process's train() began (a resumed run starts again from 0)
-                record = {"step": state.global_step, "elapsed_seconds": round(time.perf_counter() - self._t0, 3)}
-                f.write(json.dumps({**record, **logs}) + "\n")
-
-
-def _disable_dropout(model: torch.nn.Module) -> None:
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
 
 
 class AsyncTrainerBase(Trainer):
@@ -93,6 +52,8 @@ class AsyncTrainerBase(Trainer):
                  eval_dataset=None, processing_class=None, reward_processing_classes=None, peft_config=None,
                  compute_metrics=None, callbacks=None, optimizers=(None, None), preprocess_logits_for_metrics=None):
         # ---- everything that can be checked before a model loads -------------------------------------------
+        self.timeline = StartupTimeline()  # see startup.py
+        self.timeline.mark("trainer_entered")
         if args is None:
             args = self.config_class(output_dir=os.path.join(tempfile.gettempdir(), "async_rlhf-output"))
         if not isinstance(args, self.config_class):
@@ -107,21 +68,48 @@ class AsyncTrainerBase(Trainer):
         check_generator_devices(args)
         check_shm_space(args, model if isinstance(model, str) else None)
 
-        # ---- tokenizer and prompts: cheap, so checked before any model loads -----------------------------------
+        # ---- tokenizer and the policy's config: cheap, so checked before any model loads -----------------------
         self._source_model_path = model if isinstance(model, str) else None
         processing_class = tokenizer_for(processing_class, model, self._source_model_path)
         if processing_class.eos_token_id is None:
             raise ConfigError("processing_class: the tokenizer has no eos_token; set one (completions must end)")
         if processing_class.pad_token_id is None:
             processing_class.pad_token = processing_class.eos_token
-        self.prompt_token_ids, kept_rows = tokenize_prompts(
-            train_dataset, processing_class, args.max_length - args.max_new_tokens)
-        self.prompt_rows = kept_rows  # prompt id -> dataset row
-        self.prompt_budgets = completion_budgets(train_dataset, kept_rows, args.max_new_tokens)  # None: one for all
-        check_context_length(args, AutoConfig.from_pretrained(model) if isinstance(model, str) else model.config)
+        try:
+            model_config = AutoConfig.from_pretrained(model) if isinstance(model, str) else model.config
+        except OSError:  # no such model: raised again once the prompts are checked (they need no model)
+            model_config = None
+        if model_config is not None:
+            check_context_length(args, model_config)
+
+        # ---- the generator backend, then the generators, which start while the prompts are tokenized and the
+        # models load (generation/early_start.py) -----------------------------------------------------------------
+        init_kwargs = args.model_init_kwargs or {}
+        self._early_pool = None if model_config is None else choose_backend_and_spawn(
+            args, model, model_config, init_kwargs, train_dataset, processing_class)
+        if self._early_pool is not None:
+            self.timeline.mark("generators_spawned")
+        try:
+            self.prompt_token_ids, kept_rows = tokenize_prompts(
+                train_dataset, processing_class, args.max_length - args.max_new_tokens)
+            self.prompt_rows = kept_rows  # prompt id -> dataset row
+            self.prompt_budgets = completion_budgets(train_dataset, kept_rows, args.max_new_tokens)  # None: one for all
+            if model_config is None:
+                AutoConfig.from_pretrained(model)  # raises the loader's own error
+            self._build(model, ref_model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
+                        reward_processing_classes, peft_config, compute_metrics, callbacks, optimizers,
+                        preprocess_logits_for_metrics, init_kwargs)
+        except BaseException:
+            if self._early_pool is not None:
+                self._early_pool.close()
+            raise
+
+    def _build(self, model, ref_model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
+               reward_processing_classes, peft_config, compute_metrics, callbacks, optimizers,
+               preprocess_logits_for_metrics, init_kwargs):
+        """The constructor's expensive part: models, the Trainer, the reward scorer."""
 
         # ---- models ------------------------------------------------------------------------------------------
-        init_kwargs = args.model_init_kwargs or {}
         if isinstance(model, str):
             model = AutoModelForCausalLM.from_pretrained(model, **init_kwargs)
         model = peft_policy.wrap_policy(model, peft_config, args)
@@ -131,12 +119,11 @@ class AsyncTrainerBase(Trainer):
             ref_model = reference_model(model, self._source_model_path, init_kwargs)  # under ZeRO-3 loaded again
         if ref_model is not None:
             ref_model.eval().requires_grad_(False)
-        resolve_generator_backend(args, model.config, (model.config.architectures or [type(model).__name__])[0],
-                                  str(next(model.parameters()).dtype).removeprefix("torch."))
+        self.timeline.mark("models_loaded")
         if args.disable_dropout:
-            _disable_dropout(model)
+            disable_dropout(model)
             if ref_model is not None:
-                _disable_dropout(ref_model)
+                disable_dropout(ref_model)
 
         super().__init__(model=model, args=args, data_collator=lambda items: {"tickets": items},
                          train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
@@ -149,7 +136,7 @@ class AsyncTrainerBase(Trainer):
                                    prepare_model=lambda m: prepare_frozen(m, self.accelerator))
         set_trl_attributes(self, args, model, processing_class)
         self.pipeline: RolloutPipeline | None = None
-        self.add_callback(_PipelineHooks(self))
+        self.add_callback(PipelineHooks(self))
         self._metrics: dict[str, list[float]] = collections.defaultdict(list)
         self.stats = self._metrics  # TRL's name: metric -> its values since the last log
         self._micro = 0
@@ -158,6 +145,7 @@ class AsyncTrainerBase(Trainer):
         self._last_metrics: dict[str, float] = {}
         self.extra_logs: dict[str, float] = {}  # merged into the next log (e.g. periodic gold evaluation, rank 0)
         self.nonfinite = NonFiniteGuard(args.max_nonfinite_steps, self.accelerator)  # see trainers/nonfinite.py
+        self.timeline.mark("trainer_built")
 
     # ---- data: tickets in, pipeline batches out ----------------------------------------------------------
     def get_train_dataloader(self) -> DataLoader:
@@ -170,20 +158,14 @@ class AsyncTrainerBase(Trainer):
         # final checkpoint without another step (transformers 5.19 would train one step past max_steps when the
         # resumed epoch still has tickets left). Which prompts a step trains is the PromptStream's business, not this.
         steps = self._total_steps() if self.args.max_steps > 0 else steps_per_epoch
-        tickets = _StepTickets(steps * self.args.gradient_accumulation_steps)
+        tickets = StepTickets(steps * self.args.gradient_accumulation_steps)
         return DataLoader(tickets, batch_size=1, collate_fn=self.data_collator)
 
     def _total_steps(self) -> int:
-        if self.args.max_steps > 0:
-            return self.args.max_steps
-        steps_per_epoch = len(self.prompt_token_ids) // self.args.prompts_per_step
-        return math.ceil(self.args.num_train_epochs * steps_per_epoch)
+        return total_steps(self.args, len(self.prompt_token_ids))
 
     def sampling_settings(self) -> SamplingSettings:
-        a = self.args
-        return SamplingSettings(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
-                                top_k=a.top_k if a.top_k > 0 else -1, n=a.num_generations, seed=a.seed,
-                                min_p=a.min_p or 0.0, repetition_penalty=a.repetition_penalty)
+        return SamplingSettings.from_config(self.args)
 
     def packing(self) -> dict:
         """How `logprobs.sequence_terms` packs this trainer's rows (one forward per model under DeepSpeed)."""
@@ -253,6 +235,7 @@ class AsyncTrainerBase(Trainer):
                                       self.args.prompts_per_step, self.args.seed)
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        self.timeline.mark("train_called")
         if self.accelerator.device.type == "cpu":
             torch.set_num_threads(self.args.cpu_learner_threads())
         checkpoint = checkpointing.resolve(resume_from_checkpoint, self.args.output_dir)
@@ -270,10 +253,11 @@ class AsyncTrainerBase(Trainer):
             source = self._source_model_path if not lora or peft_policy.adapters_are_identity(self.model) else None
             model_dir, init_copy = initial_model_dir(source, self.model, self.processing_class, self.accelerator,
                                                      self.args.shm_dir)
+        early, self._early_pool = self._early_pool, None  # spawned by the constructor (early_start.py)
         self.pipeline = RolloutPipeline(self.args, self.prompt_token_ids, model_dir, self.accelerator,
                                         self._total_steps(), self.sampling_settings(),
                                         engine_kwargs(self.args, self.model), score=self._fused_scoring(),
-                                        budgets=self.prompt_budgets)
+                                        budgets=self.prompt_budgets, early_pool=early)
         self._stop_signal = 0
         previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
         for sig in previous:
@@ -281,6 +265,9 @@ class AsyncTrainerBase(Trainer):
         t0 = time.perf_counter()
         try:
             self.pipeline.start(restored["version"], restored["pending"], restored["counters"])
+            if self.pipeline.start_seconds:  # the generators' own account: early ones, or started just now
+                self.timeline.mark("generators_ready")
+                self.timeline.mark("generators_spawned", self.pipeline.start_seconds, replace=True)
             t_loop = time.perf_counter()
             output = super().train(resume_from_checkpoint=checkpoint, trial=trial,
                                    ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
@@ -300,6 +287,7 @@ class AsyncTrainerBase(Trainer):
         self.run_summary = build_summary(self.pipeline, self.args, self.accelerator, self.state.global_step,
                                          time.perf_counter() - t0, self._loop_seconds, self.scorer.skipped,
                                          self._last_metrics)
+        self.run_summary["startup"] = self.timeline.as_dict()
         if lora:
             self.run_summary["lora"] = peft_policy.memory_report(self.model, self.optimizer)
         if self.accelerator.is_main_process:

@@ -20,7 +20,8 @@ def reward(prompts, completions, **kw):
 def test_resaving_over_a_complete_checkpoint_that_fails_half_way_leaves_it_incomplete(tmp_path, tiny_model_dir):
     out = tmp_path / "run"
     trainer = AsyncOnlineDPOTrainer(tiny_model_dir, reward_funcs=reward,
-                                    args=AsyncOnlineDPOConfig(output_dir=str(out), max_length=48, max_new_tokens=6),
+                                    args=AsyncOnlineDPOConfig(output_dir=str(out), max_length=48, max_new_tokens=6,
+                                                              generator_backend="transformers"),
                                     train_dataset=Dataset.from_dict({"prompt": ["ab", "cd"]}))
     trainer.state.global_step = 2
     directory = out / "checkpoint-2"
