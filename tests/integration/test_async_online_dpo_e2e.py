@@ -72,6 +72,14 @@ def test_versions_advanced_and_weights_reached_the_generator(runs):
         assert m["off_policy/chosen_log_ratio_abs_max"] < 2e-2, m
 
 
+def test_rank_0_scored_and_ran_the_reference_as_groups_arrived(runs):
+    # inter-stage fusion: rewards and reference log-probs computed on rank 0's scoring thread for both ranks' rows
+    for staleness in (0, 2):
+        last = runs[staleness][1][-1]
+        assert last["scoring/reward_seconds"] > 0 and last["scoring/reference_seconds"] > 0, last
+        assert 0 <= last["scoring/reference_hidden_fraction"] <= 1
+
+
 def test_stale_samples_show_drift(runs):
     _, steps, _, _ = runs[2]
     late = [m for m in steps[4:] if m["queue/staleness_of_batch"] >= 1]
