@@ -195,15 +195,15 @@ class AsyncTrainerBase(Trainer):
                 "fused_temperature": self.reference_temperature() if self.fuses_reference() else None}
 
     def reference_temperature(self) -> float:
-        """The temperature of the reference log-probs in this learner's loss (`sequence_terms`' `temperature`): the
-        sampling temperature for the policy-gradient learners; 1 for online DPO and Best-of-N (they override it)."""
+        """The loss's reference temperature (`sequence_terms`' `temperature`; online DPO and Best-of-N: 1)."""
         return self.args.temperature
 
     def fuses_reference(self) -> bool:
-        """Rank 0's scoring thread computes the reference log-probs as parts arrive (`fused_reference.py`): with
-        fused scoring, a frozen reference model (not a LoRA policy's adapters-off self) and no DeepSpeed."""
-        return (self.args.score_while_generating and self.args.reference_while_generating
-                and not self.is_deepspeed_enabled and self.ref_model is not None)
+        """Rank 0's scoring thread computes the reference log-probs (`fused_reference.py`): fused scoring, a frozen
+        reference model (not a LoRA policy's adapters-off self), no DeepSpeed."""
+        a = self.args
+        return a.score_while_generating and a.reference_while_generating and not self.is_deepspeed_enabled and (
+            self.ref_model is not None)
 
     def micro_batch_groups(self) -> list[ScoredGroup]:
         """This rank's prompts of the current micro-batch, with their completions scored."""
@@ -323,17 +323,15 @@ class AsyncTrainerBase(Trainer):
         return output
 
     def _fused_scoring(self):
-        """The stages rank 0 runs on each part as it arrives (`scoring_stage.py`): the rewards, then the reference
-        log-probs (`fuses_reference`); None when switched off or under DeepSpeed."""
+        """Rank 0's stages for each arriving part (`scoring_stage.py`): rewards, reference; None: off / DeepSpeed."""
         if not self.args.score_while_generating or self.is_deepspeed_enabled:
             return None
         stages = [("reward", lambda parts: score_parts(parts, self.scorer, self.processing_class,
                                                        lambda pid: self.train_dataset[self.prompt_rows[pid]]))]
         if self.fuses_reference():
-            p = self.packing()
-            stages.append(("reference", lambda parts: reference_parts(
-                parts, self.ref_model, pad_id=p["pad_id"], max_length=p["max_length"], device=p["device"],
-                temperature=self.reference_temperature(), shared_prefix=p["shared_prefix"])))
+            p = {k: v for k, v in self.packing().items() if k in ("pad_id", "max_length", "device", "shared_prefix")}
+            stages.append(("reference", lambda parts: reference_parts(parts, self.ref_model,
+                                                                      temperature=self.reference_temperature(), **p)))
         return stages
 
     # ---- interruption and checkpoints ----------------------------------------------------------------------
