@@ -113,10 +113,12 @@ class AsyncRLConfig(TrainingArguments):
                   "DeepSpeed (a partitioned reward model needs every rank for each forward)."},
     )
     reference_while_generating: bool = field(
-        default=True,
+        default=False,
         metadata={"help": "With score_while_generating, the scoring thread also computes the frozen reference "
                   "model's log-probs of each arriving part, and the learner's step skips its reference forward "
-                  "(fused_reference.py). Not with a LoRA policy (its reference is the policy with adapters off)."},
+                  "(fused_reference.py). Not with a LoRA policy (its reference is the policy with adapters off). "
+                  "Off by default: on 2 CPU cores it lengthened the learner's wait more than it shortened its step "
+                  "(docs/architecture.md, inter-stage fusion)."},
     )
     generator_devices: list[str] = field(
         default_factory=lambda: ["cpu"],

@@ -33,6 +33,7 @@ def _launch(tmp_path, staleness: int, backend: str = "vllm", procs: int = 2) -> 
         "--generator_backend", backend, "--rollout_timeout", "300", "--seed", "1",
         # the stale run loads weights in flight: its records then hold per-token versions, checked sample by sample
         "--weight_load", "in_flight" if staleness else "drain",
+        "--reference_while_generating", "true",  # rank 0 runs the reference for both ranks' rows
     ]
     log = run_in_own_session(cmd, timeout=900)
     summary = json.loads((out / "run_summary.json").read_text())

@@ -1,5 +1,5 @@
-"""A real run with the reference log-probs computed on rank 0's scoring thread (`reference_while_generating`, the
-default) trains the same steps as one whose learner runs the reference itself, and its step runs no reference
+"""A real run with the reference log-probs computed on rank 0's scoring thread (`reference_while_generating`)
+trains the same steps as one whose learner runs the reference itself, and its step runs no reference
 forward. Runs in process with a real generator process (transformers backend, a tiny model)."""
 
 from __future__ import annotations
