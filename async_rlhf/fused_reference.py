@@ -13,8 +13,8 @@ chosen and rejected ones): with n = 2 that is the same rows as the step ran.
 When the learner computes the reference itself instead (the trainer decides, `trainers/base.py`): under DeepSpeed
 (no scoring thread), with a LoRA policy (its reference is the policy with its adapters switched off: toggling them on
 this thread while the step trains the same modules on the main thread is unsafe, and a second copy of the base is
-what LoRA avoids), with `reference_while_generating=False` (the default), and for any row whose values are missing (a non-finite
-value here is left out, so the step's own forward produces it).
+what LoRA avoids), with `reference_while_generating=False` (the default), and for any row whose values are missing
+(a non-finite value here is left out, so the step's own forward produces it).
 """
 
 from __future__ import annotations
