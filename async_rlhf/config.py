@@ -123,6 +123,14 @@ class AsyncRLConfig(TrainingArguments):
                   "fusion); False: every rank scores its share of the batch inside the training step. Off under "
                   "DeepSpeed (a partitioned reward model needs every rank for each forward)."},
     )
+    reference_while_generating: bool = field(
+        default=False,
+        metadata={"help": "With score_while_generating, the scoring thread also computes the frozen reference "
+                  "model's log-probs of each arriving part, and the learner's step skips its reference forward "
+                  "(fused_reference.py). Not with a LoRA policy (its reference is the policy with adapters off). "
+                  "Off by default: on 2 CPU cores it lengthened the learner's wait more than it shortened its step "
+                  "(docs/architecture.md, inter-stage fusion)."},
+    )
     generator_devices: list[str] = field(
         default_factory=lambda: ["cpu"],
         metadata={"help": "One entry per generator process: 'cpu' or 'cuda:<i>' (a learner's GPU only with "
@@ -229,6 +237,12 @@ class AsyncRLConfig(TrainingArguments):
         metadata={"help": "Run each prompt once through the frozen reference model and reuse its key/value cache for "
                   "the prompt's completions (RLHFless's shared prefix; equal to the unshared forward within float "
                   "tolerance, see benchmarks/shared_prefix.py for the time saved)."},
+    )
+    reward_shared_prefix: bool = field(
+        default=False,
+        metadata={"help": "Run the tokens that the n completions of a prompt share once through a reward model "
+                  "(a causal LM with a sequence-classification head) and reuse its key/value cache for the rest "
+                  "(reward_prefix.py; equal within float tolerance for rotary-position models, such as Llama)."},
     )
     model_init_kwargs: dict | str | None = field(default=None, metadata={"help": "kwargs for from_pretrained (a dict, "
                                                                             "or JSON text)."})

@@ -166,7 +166,8 @@ class SequenceTerms:
 
 def sequence_terms(model, ref_model, groups: list[ScoredGroup], *, pad_id: int, max_length: int, device,
                    temperature: float, sampling_temperature: float, select=None, shared_prefix: bool = False,
-                   policy_shared_prefix: bool = False, split_forwards: bool = True) -> SequenceTerms:
+                   policy_shared_prefix: bool = False, split_forwards: bool = True,
+                   fused_temperature: float | None = None) -> SequenceTerms:
     """The rows `select` ((group, completion) pairs; default every completion of every group) packed once and run
     through the policy (with gradient) and the reference (without; `ref_model` None: the LoRA policy with its
     adapters switched off), both at `temperature`: 1 for DPO-style losses on sequence log-probs, the sampling
@@ -177,7 +178,11 @@ def sequence_terms(model, ref_model, groups: list[ScoredGroup], *, pad_id: int, 
     below apply. `shared_prefix`: the reference runs each group's prompt once (`shared_prefix_logps`).
     `policy_shared_prefix`: so does the policy, with gradient (worth it when groups give several rows, as online
     DPO's chosen and rejected rows do). Either falls back to the padded forward when a row is cut to `max_length`.
-    Every way gives the same log-probs within float tolerance (tests/unit/test_shared_prefix.py)."""
+    Every way gives the same log-probs within float tolerance (tests/unit/test_shared_prefix.py).
+
+    `fused_temperature`: the temperature at which learner rank 0's scoring thread computed the reference log-probs
+    that the completions carry (`Completion.ref_logprobs`, `fused_reference.py`); when it is `temperature` and every
+    row carries them, the reference does not run here. None: never use carried values."""
     ids, attn, comp, completions = completion_batch(groups, pad_id, max_length, device, select)
     buckets = length_buckets(attn.sum(-1).tolist()) if split_forwards else [list(range(len(ids)))]
     mask = comp[:, 1:].to(torch.float32)  # as `token_logps` lays out its result
@@ -189,16 +194,37 @@ def sequence_terms(model, ref_model, groups: list[ScoredGroup], *, pad_id: int, 
                                                   drift_temperature=sampling_temperature)
     else:
         logps, drift = out
+    ref = carried_ref_logps(completions, mask) if fused_temperature == temperature else None
+    if ref is None:
+        ref = reference_token_logps(ref_model, groups, select, ids, attn, comp, mask, buckets, max_length=max_length,
+                                    temperature=temperature, shared_prefix=shared_prefix and split_forwards,
+                                    policy=model)
+    return SequenceTerms(ids, attn, comp, logps, ref, drift, behaviour_logps(completions, mask), mask, completions)
+
+
+@torch.no_grad()
+def reference_token_logps(ref_model, groups: list[ScoredGroup], select, ids, attn, comp, mask, buckets, *,
+                          max_length: int, temperature: float, shared_prefix: bool, policy=None) -> torch.Tensor:
+    """The frozen reference's log-probs of the packed rows (`completion_batch`), laid out like `mask`: each
+    group's prompt once (`shared_prefix`, when no row is cut), else bucket by bucket. `ref_model` None: `policy` (a
+    LoRA policy) with its adapters off. What the learner's step runs, and what the scoring thread runs for it."""
     with contextlib.ExitStack() as stack:
         if ref_model is None:  # a LoRA policy's reference: the policy itself with its adapters off (peft_policy.py)
-            ref_model = stack.enter_context(adapters_off(model))
-        ref = None
-        if shared_prefix and split_forwards:
-            ref = shared_prefix_logps(ref_model, groups, select, mask, max_length, temperature=temperature)
+            ref_model = stack.enter_context(adapters_off(policy))
+        ref = shared_prefix_logps(ref_model, groups, select, mask, max_length, temperature) if shared_prefix else None
         if ref is None:
-            with torch.no_grad():
-                ref, _, _ = bucketed_token_logps(ref_model, ids, attn, comp, buckets, temperature=temperature)
-    return SequenceTerms(ids, attn, comp, logps, ref, drift, behaviour_logps(completions, mask), mask, completions)
+            ref, _, _ = bucketed_token_logps(ref_model, ids, attn, comp, buckets, temperature=temperature)
+    return ref
+
+
+def carried_ref_logps(completions: list[Completion], mask: torch.Tensor) -> torch.Tensor | None:
+    """The reference log-probs the rows' completions carry, laid out like `mask` ([B, L-1]); None unless every row
+    carries one value per position its mask marks."""
+    counts = mask.sum(-1).tolist()
+    if any(len(c.ref_logprobs) != n for c, n in zip(completions, counts)):
+        return None
+    values = torch.tensor([v for c in completions for v in c.ref_logprobs], dtype=mask.dtype, device=mask.device)
+    return torch.zeros_like(mask).masked_scatter(mask.bool(), values)  # row-major: each row's tokens in order
 
 
 @torch.no_grad()

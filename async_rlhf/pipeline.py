@@ -63,9 +63,10 @@ logger = logging.getLogger(__name__)
 class RolloutPipeline:
     def __init__(self, args, prompt_token_ids: list[list[int]], generator_model_path: str, accelerator,
                  total_steps: int, settings: SamplingSettings, engine_kwargs: dict | None = None,
-                 score: Callable[[list[RolloutBatch]], list[RolloutBatch]] | None = None,
+                 score: list[tuple[str, Callable[[list[RolloutBatch]], list[RolloutBatch]]]] | None = None,
                  budgets: list[int] | None = None, early_pool: GeneratorPool | None = None):
-        """`score`: score a part on rank 0 as it arrives (`scoring_stage.py`); None: the learner scores batches.
+        """`score`: the stages that score a part on rank 0 as it arrives (`scoring_stage.py`); None: the learner
+        scores batches.
         `budgets`: each prompt's own `max_new_tokens` (a dataset column, `data/prompts.py`); None: the settings'.
         `early_pool`: generators spawned while the learner loaded (`generation/early_start.py`): `start` uses them
         if they are what it would start, else closes them."""
@@ -429,6 +430,5 @@ class RolloutPipeline:
         if self.partial is not None:
             out.update(self.partial.stats())
         if self.scoring is not None:
-            out["scoring/seconds"] = self.scoring.seconds
-            out["scoring/hidden_fraction"] = self.scoring.hidden_fraction
+            out.update(self.scoring.stats())
         return out

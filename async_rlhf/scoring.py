@@ -23,6 +23,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
 from async_rlhf.data.prompts import prompt_text
+from async_rlhf.reward_prefix import shared_prefix_scores, supports_shared_prefix
 from async_rlhf.types import RolloutBatch, ScoredGroup
 
 
@@ -41,9 +42,11 @@ def reward_name(func) -> str:
 
 class RewardScorer:
     def __init__(self, reward_funcs, reward_weights=None, reward_processing_classes=None,
-                 missing_eos_penalty: float | None = None, failure: str = "raise", device="cpu", prepare_model=None):
+                 missing_eos_penalty: float | None = None, failure: str = "raise", device="cpu", prepare_model=None,
+                 shared_prefix: bool = False):
         """`prepare_model(model) -> callable model` places a reward model (the trainer passes one that wraps it in a
-        DeepSpeed inference engine under DeepSpeed); default: move it to `device`."""
+        DeepSpeed inference engine under DeepSpeed); default: move it to `device`. `shared_prefix`: a reward model
+        runs the tokens a prompt's completions share once (`reward_prefix.py`), where the model allows it."""
         funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         if not funcs or any(f is None for f in funcs):
             raise ValueError("reward_funcs: at least one reward function or reward model is required")
@@ -77,12 +80,18 @@ class RewardScorer:
         self.missing_eos_penalty = missing_eos_penalty
         self.failure = failure
         self.device = device
+        self.shared_prefix = shared_prefix
         self.skipped = 0
         self.raised: collections.Counter[str] = collections.Counter()  # reward name -> calls that raised ("skip")
 
     @torch.no_grad()
     def _model_scores(self, model, tokenizer, prompts: list[str], completions: list[str]) -> list[float]:
         texts = [p + c for p, c in zip(prompts, completions)]
+        if self.shared_prefix and supports_shared_prefix(model):
+            rows = tokenizer(texts, truncation=True)["input_ids"]
+            scores = shared_prefix_scores(model, rows, prompts, self.device)
+            if scores is not None:
+                return scores
         enc = tokenizer(texts, return_tensors="pt", padding=True, truncation=True).to(self.device)
         return model(**enc).logits[:, 0].float().tolist()
 

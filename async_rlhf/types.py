@@ -70,19 +70,27 @@ class Completion:
     # [[version, first token], ...]: tokens from `first token` on were sampled by weights `version` (in order, the
     # first at token 0). Empty: every token by the batch's `policy_version` (batch-level generators).
     version_starts: list[list[int]] = field(default_factory=list)
+    # [T'] the frozen reference model's log-prob of each token the learner packs (T' = min(T, max_length - 1)), at
+    # the learner's loss temperature: filled on learner rank 0 as the part arrives (inter-stage fusion,
+    # `fused_reference.py`); empty: the learner's step computes them.
+    ref_logprobs: list[float] = field(default_factory=list)
 
     def oldest_version(self, default: int) -> int:
         return min((v for v, _ in self.version_starts), default=default)
 
     @classmethod
     def from_dict(cls, d) -> Completion:
-        if isinstance(d, dict) and "version_starts" not in d:  # written before per-token versions existed
-            d = {**d, "version_starts": []}
+        if isinstance(d, dict):  # written before per-token versions / fused reference log-probs existed
+            d = {"version_starts": [], "ref_logprobs": [], **d}
         f = check_fields(d, "completion", {"token_ids": list_of(nonneg), "logprobs": list_of(number),
-                                           "finish_reason": string, "version_starts": list_of(list_of(nonneg))})
+                                           "finish_reason": string, "version_starts": list_of(list_of(nonneg)),
+                                           "ref_logprobs": list_of(number)})
         if len(f["token_ids"]) != len(f["logprobs"]) or f["finish_reason"] not in ("stop", "length"):
             raise FieldError("completion: token_ids and logprobs differ in length, or finish_reason is not "
                              "'stop'/'length'")
+        if len(f["ref_logprobs"]) > len(f["token_ids"]):
+            raise FieldError(f"completion.ref_logprobs: {len(f['ref_logprobs'])} values for "
+                             f"{len(f['token_ids'])} tokens")
         starts = [s[1] if len(s) == 2 else -1 for s in f["version_starts"]]
         if -1 in starts or starts[:1] not in ([], [0]) or starts != sorted(starts):
             raise FieldError(f"completion.version_starts: expected [[version, first token], ...] starting at token 0 "

@@ -1,4 +1,5 @@
-"""Reference log-probs with and without the shared prompt prefix (`reference_shared_prefix`), at n = 2, 4, 8.
+"""Reference log-probs and reward-model scores with and without the shared prompt prefix (`reference_shared_prefix`,
+`reward_shared_prefix`), at n = 2, 4, 8.
 
     python benchmarks/shared_prefix.py                 # built-in task's SFT model and prompts (built on first use)
     python benchmarks/shared_prefix.py --prompts 32 --repeats 5 --threads 1
@@ -8,6 +9,9 @@ temperature 1 (max 24 tokens), then the frozen-model forward that the learner ru
 in the same process (median of `--repeats` after a warm-up): `token_logps` over the packed prompt + completion
 rows (unshared), and `shared_prefix_logps` (each prompt once, its key/value cache expanded to its n rows). Also
 prints the largest difference between the two (float tolerance) and the tokens each way runs through the model.
+Then the same completions, decoded, through the built-in reward model as the scoring thread runs it
+(`RewardScorer._model_scores` on prompt + completion text: tokenizing included, the same both ways), padded
+(`reward_shared_prefix` false) and with each prompt's common tokens run once (`reward_prefix.py`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,10 @@ if ROOT not in sys.path:
 
 from weight_load import median_seconds  # noqa: E402  (benchmarks/ is on the path when run as a script)
 
+# then off the path: benchmarks/profile.py would stand in for the standard library's `profile`, which cProfile (and so
+# transformers' model classes) imports
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.join(ROOT, "benchmarks")]
+
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -33,12 +41,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parser.parse_args(argv)
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     from async_rlhf.data.builtin_task import make_splits
     from async_rlhf.data.prepare import prepare_builtin
     from async_rlhf.generation.hf_backend import TransformersSampler
     from async_rlhf.logprobs import completion_batch, shared_prefix_logps, token_logps
+    from async_rlhf.scoring import RewardScorer
     from async_rlhf.types import SamplingSettings, ScoredGroup
 
     torch.set_num_threads(args.threads)
@@ -53,7 +62,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
           f"{args.threads} thread(s)")
     print(f"{'n':>3} {'completion tokens':>18} {'tokens unshared':>16} {'tokens shared':>14} {'unshared s':>11} "
           f"{'shared s':>9} {'speed-up':>9} {'max |diff|':>11}")
-    results = []
+    results, texts = [], {}
     for n in args.ns:
         sampler = TransformersSampler(model, tok.pad_token_id, tok.eos_token_id)
         samples = sampler.generate(prompts, SamplingSettings(max_new_tokens=24, temperature=1.0, n=n, seed=0))
@@ -80,6 +89,28 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"{n:>3} {comp_tokens:>18} {row['tokens_unshared']:>16} {row['tokens_shared']:>14} "
               f"{row['unshared_seconds']:>11.4f} {row['shared_seconds']:>9.4f} {row['speed_up']:>8.2f}x "
               f"{row['max_abs_diff']:>11.2e}")
+        texts[n] = ([p for p, s in zip(rows["prompt"], samples) for _ in s],
+                    [tok.decode(c.token_ids, skip_special_tokens=True) for s in samples for c in s])
+    reward = AutoModelForSequenceClassification.from_pretrained(paths["reward_model"], num_labels=1,
+                                                                dtype=torch.float32)
+    padded, shared = (RewardScorer([reward], reward_processing_classes=[tok], shared_prefix=flag)
+                      for flag in (False, True))
+    model = padded.funcs[0]
+    print(f"reward model {paths['reward_model']} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
+          f"parameters), tokenizer padding {tok.padding_side}")
+    print(f"{'n':>3} {'rows':>5} {'padded s':>9} {'shared s':>9} {'speed-up':>9} {'max |diff|':>11}")
+    for row in results:
+        prompts_n, completions_n = texts[row["n"]]
+        a = padded._model_scores(model, tok, prompts_n, completions_n)
+        b = shared._model_scores(model, tok, prompts_n, completions_n)
+        row["reward_padded_seconds"] = median_seconds(
+            lambda: padded._model_scores(model, tok, prompts_n, completions_n), args.repeats)
+        row["reward_shared_seconds"] = median_seconds(
+            lambda: shared._model_scores(model, tok, prompts_n, completions_n), args.repeats)
+        row["reward_speed_up"] = row["reward_padded_seconds"] / row["reward_shared_seconds"]
+        row["reward_max_abs_diff"] = max(abs(x - y) for x, y in zip(a, b))
+        print(f"{row['n']:>3} {len(a):>5} {row['reward_padded_seconds']:>9.4f} {row['reward_shared_seconds']:>9.4f} "
+              f"{row['reward_speed_up']:>8.2f}x {row['reward_max_abs_diff']:>11.2e}")
     return results
 
 

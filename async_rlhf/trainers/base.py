@@ -26,6 +26,7 @@ from async_rlhf import checkpointing, peft_policy
 from async_rlhf.config import AsyncRLConfig, ConfigError
 from async_rlhf.data.prompts import check_prompt_dataset, completion_budgets, tokenize_prompts
 from async_rlhf.frozen_models import prepare_frozen, reference_model
+from async_rlhf.fused_reference import reference_parts
 from async_rlhf.generation.early_start import choose_backend_and_spawn
 from async_rlhf.generation.placement import (check_context_length, check_generator_devices, check_shm_space,
                                              engine_kwargs,
@@ -133,7 +134,8 @@ class AsyncTrainerBase(Trainer):
         self.ref_model = prepare_frozen(ref_model, self.accelerator) if ref_model is not None else None
         self.scorer = RewardScorer(reward_funcs, args.reward_weights, reward_processing_classes,
                                    args.missing_eos_penalty, args.reward_failure, device=self.accelerator.device,
-                                   prepare_model=lambda m: prepare_frozen(m, self.accelerator))
+                                   prepare_model=lambda m: prepare_frozen(m, self.accelerator),
+                                   shared_prefix=args.reward_shared_prefix)
         set_trl_attributes(self, args, model, processing_class)
         self.pipeline: RolloutPipeline | None = None
         self.add_callback(PipelineHooks(self))
@@ -171,7 +173,19 @@ class AsyncTrainerBase(Trainer):
         """How `logprobs.sequence_terms` packs this trainer's rows (one forward per model under DeepSpeed)."""
         return {"pad_id": self.processing_class.pad_token_id, "max_length": self.args.max_length,
                 "device": self.accelerator.device, "shared_prefix": self.args.reference_shared_prefix,
-                "split_forwards": not self.is_deepspeed_enabled}
+                "split_forwards": not self.is_deepspeed_enabled,
+                "fused_temperature": self.reference_temperature() if self.fuses_reference() else None}
+
+    def reference_temperature(self) -> float:
+        """The loss's reference temperature (`sequence_terms`' `temperature`; online DPO and Best-of-N: 1)."""
+        return self.args.temperature
+
+    def fuses_reference(self) -> bool:
+        """Rank 0's scoring thread computes the reference log-probs (`fused_reference.py`): fused scoring, a frozen
+        reference model (not a LoRA policy's adapters-off self), no DeepSpeed."""
+        a = self.args
+        return a.score_while_generating and a.reference_while_generating and not self.is_deepspeed_enabled and (
+            self.ref_model is not None)
 
     def micro_batch_groups(self) -> list[ScoredGroup]:
         """This rank's prompts of the current micro-batch, with their completions scored."""
@@ -300,11 +314,16 @@ class AsyncTrainerBase(Trainer):
         return output
 
     def _fused_scoring(self):
-        """Rank 0 scores each part as it arrives (`scoring_stage.py`), unless switched off or under DeepSpeed."""
+        """Rank 0's stages for each arriving part (`scoring_stage.py`): rewards, reference; None: off / DeepSpeed."""
         if not self.args.score_while_generating or self.is_deepspeed_enabled:
             return None
-        return lambda parts: score_parts(parts, self.scorer, self.processing_class,
-                                         lambda pid: self.train_dataset[self.prompt_rows[pid]])
+        stages = [("reward", lambda parts: score_parts(parts, self.scorer, self.processing_class,
+                                                       lambda pid: self.train_dataset[self.prompt_rows[pid]]))]
+        if self.fuses_reference():
+            p = {k: v for k, v in self.packing().items() if k in ("pad_id", "max_length", "device", "shared_prefix")}
+            stages.append(("reference", lambda parts: reference_parts(parts, self.ref_model,
+                                                                      temperature=self.reference_temperature(), **p)))
+        return stages
 
     # ---- interruption and checkpoints ----------------------------------------------------------------------
     def _on_signal(self, signum, frame):

@@ -26,6 +26,9 @@ class AsyncBestOfNTrainer(AsyncTrainerBase):
                          reward_processing_classes=reward_processing_classes, peft_config=peft_config,
                          callbacks=callbacks, optimizers=optimizers)
 
+    def reference_temperature(self) -> float:
+        return 1.0  # the loss compares sequence log-probs at temperature 1 (its `sequence_terms` call)
+
     def compute_rollout_loss(self, model, groups):
         a = self.args
         best = []  # (group, best completion, has a finite reward); a group without one keeps a row, masked out

@@ -44,6 +44,9 @@ class AsyncOnlineDPOTrainer(AsyncTrainerBase):
         """TRL's: the epoch's value of `args.beta` (a list gives one per epoch, the last one repeating)."""
         return self.args.beta_at(self.state.epoch or 0.0)
 
+    def reference_temperature(self) -> float:
+        return 1.0  # the loss compares sequence log-probs at temperature 1 (its `sequence_terms` call)
+
     def compute_rollout_loss(self, model, groups: list[ScoredGroup]):
         a = self.args
         pairs, skipped = select_pairs(groups)

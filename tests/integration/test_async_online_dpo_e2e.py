@@ -33,6 +33,7 @@ def _launch(tmp_path, staleness: int, backend: str = "vllm", procs: int = 2) -> 
         "--generator_backend", backend, "--rollout_timeout", "300", "--seed", "1",
         # the stale run loads weights in flight: its records then hold per-token versions, checked sample by sample
         "--weight_load", "in_flight" if staleness else "drain",
+        "--reference_while_generating", "true",  # rank 0 runs the reference for both ranks' rows
     ]
     log = run_in_own_session(cmd, timeout=900)
     summary = json.loads((out / "run_summary.json").read_text())
@@ -70,6 +71,14 @@ def test_versions_advanced_and_weights_reached_the_generator(runs):
     for m in steps:
         assert abs(m["off_policy/chosen_log_ratio_mean"]) < 2e-3, m
         assert m["off_policy/chosen_log_ratio_abs_max"] < 2e-2, m
+
+
+def test_rank_0_scored_and_ran_the_reference_as_groups_arrived(runs):
+    # inter-stage fusion: rewards and reference log-probs computed on rank 0's scoring thread for both ranks' rows
+    for staleness in (0, 2):
+        last = runs[staleness][1][-1]
+        assert last["scoring/reward_seconds"] > 0 and last["scoring/reference_seconds"] > 0, last
+        assert 0 <= last["scoring/reference_hidden_fraction"] <= 1
 
 
 def test_stale_samples_show_drift(runs):
