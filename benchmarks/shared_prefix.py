@@ -27,10 +27,6 @@ if ROOT not in sys.path:
 
 from weight_load import median_seconds  # noqa: E402  (benchmarks/ is on the path when run as a script)
 
-# then off the path: benchmarks/profile.py would stand in for the standard library's `profile`, which cProfile (and so
-# transformers' model classes) imports
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.join(ROOT, "benchmarks")]
-
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

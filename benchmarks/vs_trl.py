@@ -35,8 +35,6 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# this folder off the path: its profile.py would shadow the standard library's, which torch._dynamo imports
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.join(ROOT, "benchmarks")]
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
