@@ -34,24 +34,20 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import os
 import threading
 import time
 from typing import Callable
 
 
 from async_rlhf.generation.assignment import LengthEstimator, assign, imbalance
-from async_rlhf.generation.elastic import make_elastic
 from async_rlhf.generation.pool import GeneratorPool
-from async_rlhf.generation.ray_launcher import make_launcher
 from async_rlhf.generation.pool_protocol import GeneratorFailed, GeneratorPoolProtocol
-from async_rlhf.generation.early_start import adopt_or_close
-from async_rlhf.generation.worker import generator_spec, generator_specs
+from async_rlhf.generation.pools import make_pool
 from async_rlhf.partial_rollouts import PartialRollouts, restore_partial
 from async_rlhf.prompt_stream import PromptStream
 from async_rlhf.staleness_queue import StageTimeout, StalenessQueue
 from async_rlhf.types import GenerationRequest, RolloutBatch, SamplingSettings
-from async_rlhf.weight_sync import ShmWeightTransport, gather_full_state, make_transport
+from async_rlhf.weight_sync import gather_full_state
 from async_rlhf.weight_sync.transport import WeightTransport, WeightTransportError
 from async_rlhf.rank_share import check_logprobs_finite, share_batch
 from async_rlhf.scoring import RewardError
@@ -139,25 +135,10 @@ class RolloutPipeline:
             return
         if self._score is not None:
             self.scoring = ScoringStage(self._score, self._assemble)
-        a = self.args
-        if a.generator_servers:  # vLLM servers started elsewhere (generation/serve.py), driven over HTTP
-            from async_rlhf.generation.http_pool import HTTPGeneratorPool
-            from async_rlhf.generation.serve import TOKEN_ENV
-
-            self.transport = ShmWeightTransport(a.shm_dir)  # vLLM's weight routes load the learner's shm files
-            self.pool = HTTPGeneratorPool(
-                a.generator_servers, self._on_rollouts, self.transport, self.generator_model_path, initial_version,
-                a.generator_start_timeout, a.weight_sync_timeout, request_timeout=a.rollout_timeout,
-                token=os.environ.get(TOKEN_ENV, ""), min_model_len=a.max_length, weight_load=a.weight_load)
-        else:
-            self.transport = make_transport(a, self.accelerator.device)
-            specs = generator_specs(a, self.generator_model_path, self.engine_kwargs, initial_version)
-            early, self._early_pool = self._early_pool, None
-            self.pool = adopt_or_close(early, specs, self._on_rollouts) or GeneratorPool(
-                specs, self._on_rollouts, a.generator_start_timeout, a.weight_sync_timeout, a.generator_max_restarts,
-                launcher=make_launcher(a))
-            self.elastic = make_elastic(a, self.pool, self.accelerator.num_processes, lambda i, dev: generator_spec(
-                a, self.generator_model_path, self.engine_kwargs, initial_version, i, dev))
+        early, self._early_pool = self._early_pool, None
+        self.transport, self.pool, self.elastic = make_pool(
+            self.args, self._on_rollouts, self.generator_model_path, self.engine_kwargs, initial_version, early,
+            self.accelerator.num_processes, self.accelerator.device)
         try:
             self.pool.start()
         except BaseException:
