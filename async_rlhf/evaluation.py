@@ -153,7 +153,8 @@ def evaluate_policy(
 
 def gold_evaluation(reference_model: str, tokenizer_path: str | None, dataset, num_prompts: int,
                     max_new_tokens: int = 24, seed: int = 0,
-                    backend_for: Callable[[str], GeneratorBackend | None] | None = None):
+                    backend_for: Callable[[str], GeneratorBackend | None] | None = None,
+                    reward_fn: RewardFunction | None = None):
     """A task's evaluation function `evaluate(model_or_dir) -> metrics`, or None when `num_prompts` is 0.
 
     reference_model: the model KL and SFT perplexity are measured against, read once (with the tokenizer) at the
@@ -161,7 +162,8 @@ def gold_evaluation(reference_model: str, tokenizer_path: str | None, dataset, n
     tokenizer_path: the task's tokenizer; None: the evaluated directory's own.
     dataset: rows with `prompt` and `reference`; its first `num_prompts` rows are evaluated.
     backend_for(directory): an engine to sample a saved policy with (closed after); None or a None result:
-        transformers in this process."""
+        transformers in this process.
+    reward_fn: the task's gold reward (default: the built-in task's)."""
     if num_prompts <= 0:
         return None
     loaded = {}
@@ -174,7 +176,7 @@ def gold_evaluation(reference_model: str, tokenizer_path: str | None, dataset, n
         try:
             return evaluate_policy(model_or_dir, loaded["reference"], num_prompts=num_prompts, seed=seed,
                                    tokenizer=loaded["tokenizer"], dataset=dataset, max_new_tokens=max_new_tokens,
-                                   backend=engine)
+                                   backend=engine, reward_fn=reward_fn)
         finally:
             if engine is not None:
                 engine.close()
