@@ -3,7 +3,7 @@
 Real summarisation workloads have heavy-tailed response lengths (TL;DR summaries 10-60 tokens, reasoning traces far
 longer); the built-in task's summaries are all 3-5 tokens, so generation never waits on a long tail there. Here a
 post names `n` distinct things (content words) in a run, between a few filler words, and a good summary lists all
-of them, in the post's order, and stops:
+of them, each once, in any order, and stops:
 
     SUBREDDIT: r/travel
     POST: it and got ticket flight jetlag museum luggage now just
@@ -15,8 +15,14 @@ plus EOS, so target lengths run from 3 to 194 tokens (200 with a ramble), mean 1
 and the longest of 16 is on average 3.3x the mean. Short posts stay on their subreddit's topic; long ones wander
 into other topics.
 
+Why any order: a summary in the post's order is a copy, which needs induction heads; the built-in task's
+1.2M-parameter policy, trained for a build's budget, did not form them (500-1200 steps of 32 examples: the right
+number of words, on-topic, at random). In any order it needs only which words the post names and which it has
+written; docs/longtail_task.md has what the shipped SFT policy does learn (the lengths) and does not (the
+content, yet).
+
 The roles are the built-in task's (`data/builtin_task.py`): a programmatic gold reward; noisy human references
-(careless content: a dropped item, a swap, a repeat); SFT demonstrations careful about content with a house style
+(careless content: a dropped item, a repeat); SFT demonstrations careful about content with a house style
 the gold reward dislikes (most open with a filler word, some ramble on). Length matters to the gold reward: every
 item left out costs recall, every word too many costs a penalty, and only a summary that stops after its last
 item (EOS right after the period) gets the clean-ending bonus, so a completion cut at the token limit loses.
@@ -76,7 +82,6 @@ class ListNoise:
     """How a noisy summariser deviates from the ideal list. Probabilities are per summary unless noted."""
 
     drop_item: float  # each item is left out with this probability (at least one is kept)
-    swap: float  # two neighbouring items are swapped
     repeat: float  # one item is said a second time, right after itself
     add_filler: float  # one filler word from the post is inserted at a random place
     opener: float  # the summary starts with the post's first filler word
@@ -84,10 +89,10 @@ class ListNoise:
 
 
 # References: no house style, careless content (about one list in two has a flaw; long lists drop more items).
-REFERENCE_NOISE = ListNoise(drop_item=0.03, swap=0.3, repeat=0.2, add_filler=0.0, opener=0.0, ramble=0.0)
+REFERENCE_NOISE = ListNoise(drop_item=0.03, repeat=0.3, add_filler=0.0, opener=0.0, ramble=0.0)
 # Demonstrations: careful content, the built-in task's house style (opener 60%, ramble 15%), which the gold reward
 # dislikes and RLHF can learn to drop.
-DEMONSTRATION_NOISE = ListNoise(drop_item=0.005, swap=0.03, repeat=0.02, add_filler=0.05, opener=0.6, ramble=0.15)
+DEMONSTRATION_NOISE = ListNoise(drop_item=0.005, repeat=0.02, add_filler=0.05, opener=0.6, ramble=0.15)
 
 
 def lognormal_count(rng: random.Random, mean: float = MEAN_ITEMS, cv: float = ITEMS_CV, cap: int = MAX_ITEMS) -> int:
@@ -134,9 +139,7 @@ def render(words: list[str]) -> str:
 def noisy_summary(post: Post, noise: ListNoise, rng: random.Random) -> str:
     items = post.items
     words = [w for w in items if rng.random() >= noise.drop_item] or [rng.choice(items)]
-    if len(words) >= 2 and rng.random() < noise.swap:
-        i = rng.randrange(len(words) - 1)
-        words[i], words[i + 1] = words[i + 1], words[i]
+    rng.shuffle(words)  # any order is right (see the module docstring)
     if rng.random() < noise.repeat:
         i = rng.randrange(len(words))
         words.insert(i + 1, words[i])
@@ -198,10 +201,7 @@ def score(post_words: list[str], completion: str, truncated: bool = False) -> fl
         else:
             penalty += 0.5  # not in the post at all
     recall = len(covered) / max(1, len(items))
-    position = {w: i for i, w in enumerate(items)}
-    in_order = sum(position[a] < position[b] for a, b in zip(covered, covered[1:]))
-    order = 0.2 * in_order / (len(covered) - 1) if len(covered) >= 2 else 0.0
-    return 2 * recall + order + 0.3 * ends_clean - penalty - 0.005 * len(words)
+    return 2 * recall + 0.3 * ends_clean - penalty - 0.005 * len(words)
 
 
 def gold_reward(prompts: list, completions: list, truncated: list[bool] | None = None, **kwargs) -> list[float]:
@@ -209,12 +209,12 @@ def gold_reward(prompts: list, completions: list, truncated: list[bool] | None =
     completion:
 
         2 x the fraction of the post's items it lists                        (0 .. 2)
-      + 0.2 x fraction of neighbouring listed items in the post's order
       + 0.3 if the text ends with its only period (it stopped: EOS right after the list)
       - 0.2 per repeated item, 0.3 per filler, 0.5 per word not in the post
       - 0.005 per word
 
-    The ideal summary scores 2.5 less 0.005 per item; `truncated[i]` marks completions cut at the token limit.
+    The ideal summary scores 2.3 less 0.005 per item, in any order; `truncated[i]` marks completions cut at the
+    token limit.
     """
     truncated = truncated if truncated is not None else [False] * len(completions)
     return [score(post_words(_text(p)), _text(c), bool(t)) for p, c, t in zip(prompts, completions, truncated,

@@ -78,9 +78,10 @@ def test_gold_reward_makes_length_matter():
     best = score(ideal)
     for worse in (score(too_short), score(too_long), score(cut), score(ideal, truncated=[True] * len(posts))):
         assert all(w < b for w, b in zip(worse, best))
-    # a near-ideal list of 3 items: 2 + 0.2 + 0.3 - 3 x 0.005
-    assert lt.score(["my", "so", "cat", "vet", "food"], " cat vet food.") == pytest.approx(2.485)
-    assert lt.score(["my", "so", "cat", "vet", "food"], " my cat vet food.") == pytest.approx(2.485 - 0.3 - 0.005)
+    # the ideal list of 3 items, in any order: 2 + 0.3 - 3 x 0.005; an opener costs 0.3 + 0.005
+    words = ["my", "so", "cat", "vet", "food"]
+    assert lt.score(words, " cat vet food.") == lt.score(words, " food cat vet.") == pytest.approx(2.285)
+    assert lt.score(words, " my cat vet food.") == pytest.approx(2.285 - 0.3 - 0.005)
 
 
 def test_references_and_demonstrations_leave_room_for_rlhf():
