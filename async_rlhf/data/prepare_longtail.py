@@ -34,4 +34,4 @@ def prepare_longtail(cache_dir: str | None = None, seed: int = 0, sft: SFTSettin
     above (tests build a reduced variant into a cache directory of their own)."""
     return prepare_task(longtail_task, cache_dir, seed, sft or sft_settings(seed),
                         reward or reward_model_settings(seed), max_positions=longtail_task.SFT_MAX_POSITIONS,
-                        what="the long-tail task", minutes="5-10")
+                        what="the long-tail task", minutes="10-15")
