@@ -24,8 +24,6 @@ import logging
 import math
 import os
 import random
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 
@@ -34,6 +32,7 @@ from transformers import AutoModelForCausalLM, LlamaForSequenceClassification, P
 
 from async_rlhf.data import build_progress, builtin_task
 from async_rlhf.data.build_lock import build_lock
+from async_rlhf.data.task_cache import _is_complete, _paths, built_atomically, default_cache_dir
 from async_rlhf.data.tokenizer import build_tokenizer
 from async_rlhf.evaluation import evaluate_policy
 from async_rlhf.generation.hf_backend import TransformersSampler
@@ -292,48 +291,6 @@ def train_reward_model(settings: RewardModelSettings, sft_model_path: str, token
         "train_accuracy": pairwise_accuracy(model, tokenizer, {k: v[:512] for k, v in train_pairs.items()}),
     }
     return model, metrics
-
-
-def cache_root() -> str:
-    """Where prepared models live: `$ASYNC_RLHF_CACHE`, else `~/.cache/async_rlhf`."""
-    return os.environ.get("ASYNC_RLHF_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "async_rlhf")
-
-
-def default_cache_dir(seed: int = 0, task=builtin_task) -> str:
-    return os.path.join(cache_root(), f"{task.NAME}-v{task.TASK_VERSION}" + (f"-seed{seed}" if seed else ""))
-
-
-def _paths(cache_dir: str) -> dict:
-    return {
-        "cache_dir": cache_dir,
-        "tokenizer": os.path.join(cache_dir, "tokenizer"),
-        "sft_model": os.path.join(cache_dir, "sft_model"),
-        "reward_model": os.path.join(cache_dir, "reward_model"),
-        "manifest": os.path.join(cache_dir, "manifest.json"),
-    }
-
-
-def _is_complete(cache_dir: str, task=builtin_task) -> bool:
-    manifest = _paths(cache_dir)["manifest"]
-    if not os.path.exists(manifest):
-        return False
-    with open(manifest) as f:
-        return json.load(f).get("task_version") == task.TASK_VERSION
-
-
-@contextlib.contextmanager
-def built_atomically(directory: str):
-    """Yield a temporary sibling of `directory` to build into; on success it replaces `directory` (a rename), on any
-    error it is removed: readers never see half a build."""
-    tmp = tempfile.mkdtemp(prefix=os.path.basename(directory) + ".tmp-", dir=os.path.dirname(directory))
-    try:
-        yield tmp
-        if os.path.exists(directory):  # a stale or unfinished build of this name: replace it
-            shutil.rmtree(directory)
-        os.rename(tmp, directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def build_into(directory: str, seed: int = 0, sft: SFTSettings | None = None,
