@@ -134,7 +134,9 @@ def setup_task(script: ScriptArguments, config) -> Task:
 
 def _longtail_task(script: ScriptArguments, config) -> Task:
     """The built-in task with heavy-tailed summary lengths (`data/longtail_task.py`): its own SFT policy and proxy
-    reward model (prepared on first use), evaluated like the built-in task with completions of up to 256 tokens."""
+    reward model (prepared on first use), evaluated like the built-in task with completions of up to 256 tokens, and
+    also against the SFT policy's greedy completions (`gold_win_rate_vs_sft`; cached in the task's directory on
+    the first evaluation), since its SFT policy is far below the references."""
     from async_rlhf.data import longtail_task
     from async_rlhf.data.prepare_longtail import prepare_longtail
 
@@ -143,7 +145,9 @@ def _longtail_task(script: ScriptArguments, config) -> Task:
     reward = (longtail_task.gold_reward if script.reward == "gold"
               else (config.reward_model_path or paths["reward_model"]))
     evaluate = gold_evaluation(paths["sft_model"], paths["tokenizer"], splits["test"], script.eval_prompts,
-                               max_new_tokens=longtail_task.MAX_NEW_TOKENS, reward_fn=longtail_task.gold_reward)
+                               max_new_tokens=longtail_task.MAX_NEW_TOKENS, reward_fn=longtail_task.gold_reward,
+                               sft_completions_file=os.path.join(paths["cache_dir"], "eval",
+                                                                 f"sft_greedy_{script.eval_prompts}.json"))
     return Task(script.model_name_or_path or paths["sft_model"], reward, splits["train"], evaluate)
 
 

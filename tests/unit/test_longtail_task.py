@@ -99,7 +99,8 @@ def test_references_and_demonstrations_leave_room_for_rlhf():
 def test_reduced_build_and_the_recipe_flag(tmp_path, monkeypatch):
     """A reduced build into the default cache directory of a temporary cache root (seconds), then `--task longtail`
     as a recipe parses it: the task's defaults, its SFT policy and proxy reward model, its train split, and an
-    evaluation with its gold reward and 256-token completions."""
+    evaluation with its gold reward and 256-token completions, also against the SFT policy's cached greedy
+    completions."""
     from async_rlhf import algorithm_configs as c
     from async_rlhf.data.prepare_longtail import prepare_longtail
 
@@ -125,6 +126,20 @@ def test_reduced_build_and_the_recipe_flag(tmp_path, monkeypatch):
     results = task.evaluate(paths["sft_model"])
     assert results["num_prompts"] == 4 and results["kl"] == pytest.approx(0.0, abs=1e-4)
     assert 0 < results["completion_tokens_mean"] <= lt.MAX_NEW_TOKENS
+    # win-rate vs the SFT policy's greedy completions: the SFT policy ties with itself on every prompt
+    assert results["gold_win_rate_vs_sft"] == 0.5 and results["sft_gold_reward"] == results["gold_reward"]
+    cached = os.path.join(paths["cache_dir"], "eval", "sft_greedy_4.json")
+    data = json.load(open(cached))
+    assert len(data["completions"]) == 4 and data["key"]["max_new_tokens"] == lt.MAX_NEW_TOKENS
+    # later evaluations read the cached completions, not new ones: worse cached completions, a higher win-rate
+    for c in data["completions"]:
+        c["completion"], c["truncated"] = " ".join(["zzz"] * 1000), True
+    json.dump(data, open(cached, "w"))
+    assert setup_task(script, config).evaluate(paths["sft_model"])["gold_win_rate_vs_sft"] == 1.0
+    # a cache made for other prompts is regenerated
+    data["key"]["prompts_sha256"] = "other"
+    json.dump(data, open(cached, "w"))
+    assert setup_task(script, config).evaluate(paths["sft_model"])["gold_win_rate_vs_sft"] == 0.5
     script.reward = "gold"
     assert setup_task(script, config).reward is lt.gold_reward
 
