@@ -5,6 +5,10 @@ temperature 0.01). Then:
 - `gold_win_rate`: fraction of prompts where the gold reward scores the policy's completion above the reference
   summary (ties count one half);
 - `gold_reward`: mean gold reward of the policy's completions (`reference_gold_reward` is the references' mean);
+- `gold_win_rate_vs_sft` (only when baseline completions are given, `sft_completions=`): the same comparison
+  against the SFT policy's own greedy completions of the same prompts, what RLHF papers report as win-rate vs SFT;
+  it still measures progress where the SFT policy is far below the references (0.5 for the SFT policy itself).
+  `gold_evaluation(sft_completions_file=...)` generates them once and caches them (`sft_baseline`);
 - `kl`: mean over completions of the sequence log-ratio log pi(y|x) - log pi_sft(y|x), both by teacher forcing
   at temperature 1 on the policy's own samples;
 - `sft_perplexity`: exp of the SFT model's mean per-token negative log-likelihood of those completions (EOS
@@ -21,7 +25,10 @@ measured the same way.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import os
 import time
 from typing import Callable
 
@@ -79,6 +86,7 @@ def evaluate_policy(
     max_new_tokens: int = 24,
     temperature: float = 0.0,
     batch_size: int = 128,
+    sft_completions: list[dict] | None = None,
 ) -> dict:
     """Gold win-rate, gold reward and KL to the SFT model of one policy on held-out prompts.
 
@@ -89,6 +97,8 @@ def evaluate_policy(
     reward_fn: the gold reward, TRL signature; default: the built-in task's `gold_reward`.
     tokenizer: default: the one saved with the policy (or with the SFT model, for an in-memory policy).
     backend: what samples the completions; default `TransformersSampler` over the policy.
+    sft_completions: the baseline for `gold_win_rate_vs_sft`, one {"completion", "truncated"} per evaluated prompt
+        (what `sft_baseline` returns); None: no such metric.
     Returns a dict of floats and counts (see the module docstring for what each metric means).
     """
     from async_rlhf.data import builtin_task
@@ -106,26 +116,15 @@ def evaluate_policy(
     rows = dataset.select(range(min(num_prompts, len(dataset))))
     prompts, references = list(rows["prompt"]), list(rows["reference"])
 
-    conversational = not isinstance(prompts[0], str)
-    texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) if conversational else p
-             for p in prompts]
-    prompt_ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-    backend = backend or TransformersSampler(policy, tokenizer.pad_token_id, tokenizer.eos_token_id, batch_size)
-    settings = SamplingSettings(max_new_tokens=max_new_tokens, temperature=temperature, n=1, seed=seed)
-    samples = [group[0] for group in backend.generate(prompt_ids, settings)]
+    prompt_ids, samples = _sample(policy, tokenizer, prompts, backend, max_new_tokens, temperature, seed, batch_size)
     completions = [tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
     truncated = [s.finish_reason == "length" for s in samples]
-    if conversational:
-        completions_arg = [[{"role": "assistant", "content": c}] for c in completions]
-    else:
-        completions_arg = completions
 
-    policy_scores = reward_fn(prompts=prompts, completions=completions_arg, truncated=truncated)
+    policy_scores = _scores(reward_fn, prompts, completions, truncated)
     reference_scores = reward_fn(prompts=prompts, completions=references)
-    wins = [(a > b) + 0.5 * (a == b) for a, b in zip(policy_scores, reference_scores)]
     lengths = [len(s.token_ids) for s in samples]
     metrics = {
-        "gold_win_rate": sum(wins) / len(wins),
+        "gold_win_rate": _win_rate(policy_scores, reference_scores),
         "gold_reward": sum(policy_scores) / len(policy_scores),
         "reference_gold_reward": sum(reference_scores) / len(reference_scores),
         "kl": float("nan"),
@@ -134,6 +133,13 @@ def evaluate_policy(
         "truncated_fraction": sum(truncated) / len(truncated),
         "num_prompts": len(prompts),
     }
+    if sft_completions is not None:
+        if len(sft_completions) != len(prompts):
+            raise ValueError(f"sft_completions: {len(sft_completions)} completions for {len(prompts)} prompts")
+        sft_scores = _scores(reward_fn, prompts, [c["completion"] for c in sft_completions],
+                             [c["truncated"] for c in sft_completions])
+        metrics["gold_win_rate_vs_sft"] = _win_rate(policy_scores, sft_scores)
+        metrics["sft_gold_reward"] = sum(sft_scores) / len(sft_scores)
     if sft_model_path is not None:
         sft = _load(sft_model_path)
         completion_ids = [s.token_ids for s in samples]
@@ -151,9 +157,60 @@ def evaluate_policy(
     return metrics
 
 
+def _sample(policy, tokenizer, prompts: list, backend, max_new_tokens: int, temperature: float, seed: int,
+            batch_size: int):
+    """Token ids of the prompts (chat prompts through the template) and one completion `Sample` per prompt."""
+    conversational = not isinstance(prompts[0], str)
+    texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) if conversational else p
+             for p in prompts]
+    prompt_ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    backend = backend or TransformersSampler(policy, tokenizer.pad_token_id, tokenizer.eos_token_id, batch_size)
+    settings = SamplingSettings(max_new_tokens=max_new_tokens, temperature=temperature, n=1, seed=seed)
+    return prompt_ids, [group[0] for group in backend.generate(prompt_ids, settings)]
+
+
+def _scores(reward_fn: RewardFunction, prompts: list, completions: list[str], truncated: list[bool]) -> list[float]:
+    """Gold reward of text completions (wrapped as assistant messages for chat prompts)."""
+    if not isinstance(prompts[0], str):
+        completions = [[{"role": "assistant", "content": c}] for c in completions]
+    return reward_fn(prompts=prompts, completions=completions, truncated=truncated)
+
+
+def _win_rate(scores: list[float], baseline: list[float]) -> float:
+    """Fraction of prompts where `scores` beats `baseline`, ties counting one half."""
+    return sum((a > b) + 0.5 * (a == b) for a, b in zip(scores, baseline)) / len(scores)
+
+
+def sft_baseline(sft_model, tokenizer, dataset, num_prompts: int, max_new_tokens: int, path: str,
+                 seed: int = 0) -> list[dict]:
+    """The SFT policy's greedy completions of the first `num_prompts` prompts of `dataset`, generated once (in this
+    process, with transformers) and cached in the JSON file `path`, keyed by the prompts and `max_new_tokens`: a
+    file for other prompts or another budget is regenerated and replaced (atomically). Returns one
+    {"completion", "truncated"} per prompt, the `sft_completions` of `evaluate_policy`."""
+    prompts = list(dataset.select(range(min(num_prompts, len(dataset))))["prompt"])
+    key = {"prompts_sha256": hashlib.sha256(json.dumps(prompts, sort_keys=True).encode()).hexdigest(),
+           "num_prompts": len(prompts), "max_new_tokens": max_new_tokens, "decoding": "greedy"}
+    if os.path.exists(path):
+        with open(path) as f:
+            cached = json.load(f)
+        if cached.get("key") == key:
+            return cached["completions"]
+    policy = _load(sft_model)
+    _, samples = _sample(policy, tokenizer, prompts, None, max_new_tokens, 0.0, seed, 128)
+    completions = [{"completion": tokenizer.decode(s.token_ids, skip_special_tokens=True),
+                    "truncated": s.finish_reason == "length"} for s in samples]
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump({"key": key, "completions": completions}, f)
+    os.replace(tmp, path)
+    return completions
+
+
 def gold_evaluation(reference_model: str, tokenizer_path: str | None, dataset, num_prompts: int,
                     max_new_tokens: int = 24, seed: int = 0,
-                    backend_for: Callable[[str], GeneratorBackend | None] | None = None):
+                    backend_for: Callable[[str], GeneratorBackend | None] | None = None,
+                    reward_fn: RewardFunction | None = None, sft_completions_file: str | None = None):
     """A task's evaluation function `evaluate(model_or_dir) -> metrics`, or None when `num_prompts` is 0.
 
     reference_model: the model KL and SFT perplexity are measured against, read once (with the tokenizer) at the
@@ -161,7 +218,10 @@ def gold_evaluation(reference_model: str, tokenizer_path: str | None, dataset, n
     tokenizer_path: the task's tokenizer; None: the evaluated directory's own.
     dataset: rows with `prompt` and `reference`; its first `num_prompts` rows are evaluated.
     backend_for(directory): an engine to sample a saved policy with (closed after); None or a None result:
-        transformers in this process."""
+        transformers in this process.
+    reward_fn: the task's gold reward (default: the built-in task's).
+    sft_completions_file: where the SFT policy's (`reference_model`'s) greedy completions are cached
+        (`sft_baseline`); given, every evaluation also reports `gold_win_rate_vs_sft`."""
     if num_prompts <= 0:
         return None
     loaded = {}
@@ -170,11 +230,16 @@ def gold_evaluation(reference_model: str, tokenizer_path: str | None, dataset, n
         if not loaded:
             loaded["tokenizer"] = AutoTokenizer.from_pretrained(tokenizer_path) if tokenizer_path else None
             loaded["reference"] = AutoModelForCausalLM.from_pretrained(reference_model, dtype=torch.float32)
+            loaded["sft_completions"] = None
+            if sft_completions_file is not None:
+                tokenizer = loaded["tokenizer"] or AutoTokenizer.from_pretrained(reference_model)
+                loaded["sft_completions"] = sft_baseline(loaded["reference"], tokenizer, dataset, num_prompts,
+                                                         max_new_tokens, sft_completions_file, seed)
         engine = backend_for(model_or_dir) if backend_for is not None and isinstance(model_or_dir, str) else None
         try:
             return evaluate_policy(model_or_dir, loaded["reference"], num_prompts=num_prompts, seed=seed,
                                    tokenizer=loaded["tokenizer"], dataset=dataset, max_new_tokens=max_new_tokens,
-                                   backend=engine)
+                                   backend=engine, reward_fn=reward_fn, sft_completions=loaded["sft_completions"])
         finally:
             if engine is not None:
                 engine.close()

