@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -29,14 +28,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if os.path.dirname(HERE) not in sys.path:
     sys.path.insert(0, os.path.dirname(HERE))
 
+from weight_load import median_seconds  # noqa: E402  (benchmarks/ is on the path when run as a script)
+
 
 def _median(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_seconds(fn, repeats, warm_up=False)  # where a warm-up matters the caller makes it
 
 
 def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:

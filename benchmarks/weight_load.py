@@ -40,8 +40,9 @@ SIZES = {  # name: (hidden, layers, heads); intermediate = 4 * hidden, head size
 }
 
 
-def median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up: first-touch page faults and lazy initialisation are not what we measure
+def median_seconds(fn, repeats: int, warm_up: bool = True) -> float:
+    if warm_up:
+        fn()  # first-touch page faults and lazy initialisation are not what we measure
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
