@@ -67,12 +67,13 @@ def token_logps(model, input_ids, attention_mask, completion_mask, temperature: 
 
 
 def behaviour_logps(completions: list[Completion], mask: torch.Tensor) -> torch.Tensor:
-    """The generator's log-prob of each sampled token, placed where `mask` marks that row's completion tokens."""
+    """The generator's log-prob of each sampled token, placed where `mask` marks that row's completion tokens (a
+    completion cut at `max_length` keeps its first tokens, `pack_sequences`: so do its log-probs)."""
     out = torch.zeros_like(mask)
     for row, c in enumerate(completions):
         pos = mask[row].nonzero().squeeze(-1)
         n = min(len(pos), len(c.logprobs))
-        out[row, pos[:n]] = torch.tensor(c.logprobs[len(c.logprobs) - n:], dtype=out.dtype, device=out.device)
+        out[row, pos[:n]] = torch.tensor(c.logprobs[:n], dtype=out.dtype, device=out.device)
     return out
 
 

@@ -41,3 +41,15 @@ def test_bucketed_forward_equals_the_padded_one_with_gradients():
     assert torch.allclose(bucketed, padded, atol=1e-5) and torch.allclose(bdrift, drift, atol=1e-5)
     for got, want in zip((p.grad for p in model.parameters()), expected):
         assert torch.allclose(got, want, atol=1e-4)
+
+
+def test_behaviour_logprobs_of_a_completion_cut_at_max_length_are_its_first_tokens():
+    from async_rlhf.logprobs import behaviour_logps, pack_sequences
+
+    long = Completion([11, 12, 13, 14, 15, 16], [-1.0, -2.0, -3.0, -4.0, -5.0, -6.0], "length")
+    short = Completion([21, 22], [-0.5, -0.25], "stop")
+    ids, _, mask, = pack_sequences([[1, 2], [3]], [long.token_ids, short.token_ids], pad_id=0, max_length=4)[:3]
+    assert ids[0].tolist() == [2, 11, 12, 13]  # the prompt's last token and the completion's first 3 kept
+    out = behaviour_logps([long, short], mask.float())
+    assert out[0].tolist() == [0.0, -1.0, -2.0, -3.0]
+    assert out[1].tolist() == [0.0, -0.5, -0.25, 0.0]
