@@ -17,10 +17,15 @@ from transformers import HfArgumentParser
 from async_rlhf.config import ConfigError
 
 
+RECIPE_DEFAULTS = {"generator_early_start": True}
+
+
 def parse_args(dataclass_types: tuple, argv: list[str], task_defaults: dict[str, str] | None = None):
     """Parse `argv` (`--config file.yaml` and `--field value` flags) into instances of `dataclass_types`.
 
-    Precedence, lowest first: the dataclasses' defaults, the recipe's defaults for the chosen task
+    Precedence, lowest first: the dataclasses' defaults, `RECIPE_DEFAULTS` (what a recipe run does differently from
+    a trainer built in a script: it trains at once, so its generators start while the models load), the recipe's
+    defaults for the chosen task
     (`task_defaults`: task name -> YAML file, e.g. tuned settings for the built-in task), the `--config` YAML,
     the flags."""
     parsed = _parse(dataclass_types, argv, None)
@@ -60,6 +65,8 @@ def _parse(dataclass_types: tuple, argv: list[str], defaults_path: str | None):
         config_path = argv[i + 1]
         argv = argv[:i] + argv[i + 2:]
     parser = HfArgumentParser(dataclass_types)
+    known = {f.name for cls in dataclass_types for f in fields(cls)}
+    parser.set_defaults(**{k: v for k, v in RECIPE_DEFAULTS.items() if k in known})
     list_actions = {a.dest: a for a in parser._actions if a.nargs in ("+", "*")}
     for path in (defaults_path, config_path):
         if path is not None:

@@ -173,9 +173,16 @@ class AsyncRLConfig(TrainingArguments):
         default=None, metadata={"help": "torch threads per CPU learner rank (None: the cores left after the local "
                                         "generators' threads, shared among the local ranks, at least 1)."}
     )
+    generator_early_start: bool = field(
+        default=False,
+        metadata={"help": "Spawn the generators in the trainer's constructor, so that their engines start while the "
+                  "learner loads its models (generation/early_start.py); train() uses them if they are what it "
+                  "needs. The recipes turn it on; off by default so that a trainer built and not trained (a script "
+                  "that inspects it, a test) starts no process."},
+    )
     generator_start_timeout: float = field(
         default=600.0, metadata={"help": "Seconds to wait for a generator's engine to start, counted from its spawn "
-                                         "(in the trainer's constructor: it starts while the models load)."}
+                                         "(in the trainer's constructor with generator_early_start)."}
     )
     generator_max_restarts: int = field(
         default=3, metadata={"help": "Restarts allowed per generator that dies; then the run fails naming it."}

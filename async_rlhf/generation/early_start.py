@@ -9,10 +9,11 @@ loads any model; `train()` then builds the specs it needs as before
 specs are exactly those, else closes it and the pipeline starts the right generators: never a generator on the wrong
 weights or settings, at worst the start of before.
 
-Spawned early only where the start is known before models load: rank 0, local generator processes (not
-`generator_servers`, not Ray actors), a policy given as a local directory, its dtype predicted from `model_init_kwargs` or its config, and no
-`resume_from_checkpoint` in the config (a resumed run starts from the checkpoint's weights). Waits stay bounded and
-failures named as before (`pool.py`): `generator_start_timeout` counts from the spawn, and a generator that fails to
+Spawned early only with `generator_early_start` (the recipes set it; a trainer built and not trained then starts
+nothing) and where the start is known before models load: rank 0, local generator processes (not
+`generator_servers`, not Ray actors), a policy given as a local directory, its dtype predicted from
+`model_init_kwargs` or its config, and no `resume_from_checkpoint` in the config (a resumed run starts from the
+checkpoint's weights). Waits stay bounded and failures named as before (`pool.py`): `generator_start_timeout` counts from the spawn, and a generator that fails to
 start is reported, naming it, when the pipeline starts. A trainer never trained closes its early generators when it
 is garbage-collected or at exit (`pool.py`'s finalizer).
 """
@@ -77,7 +78,8 @@ def predicted_dtype(init_kwargs: dict, model_config) -> str:
 
 def spawn_early(args, model, dtype: str) -> GeneratorPool | None:
     """Spawn the generators `train()` will most likely need, and return their pool (None where not predictable)."""
-    if (args.process_index != 0 or args.generator_servers or args.resume_from_checkpoint
+    if (not args.generator_early_start or args.process_index != 0 or args.generator_servers
+            or args.resume_from_checkpoint
             or args.generator_launcher != "process" or args.generator_backend not in ("vllm", "transformers")):
         return None
     if not (isinstance(model, str) and os.path.isfile(os.path.join(model, "config.json"))):

@@ -101,9 +101,13 @@ class AsyncTrainerBase(Trainer):
                         reward_processing_classes, peft_config, compute_metrics, callbacks, optimizers,
                         preprocess_logits_for_metrics, init_kwargs)
         except BaseException:
-            if self._early_pool is not None:
-                self._early_pool.close()
+            self._close_early_pool()
             raise
+
+    def _close_early_pool(self) -> None:
+        if self._early_pool is not None:
+            self._early_pool.close()
+            self._early_pool = None
 
     def _build(self, model, ref_model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
                reward_processing_classes, peft_config, compute_metrics, callbacks, optimizers,
@@ -252,21 +256,26 @@ class AsyncTrainerBase(Trainer):
         self.timeline.mark("train_called")
         if self.accelerator.device.type == "cpu":
             torch.set_num_threads(self.args.cpu_learner_threads())
-        checkpoint = checkpointing.resolve(resume_from_checkpoint, self.args.output_dir)
-        restored = {"version": 0, "pending": [], "counters": {}}
-        if checkpoint is not None:  # validated before any generator starts
-            checkpointing.check_resume_is_safe(checkpoint, unpickles=self.is_deepspeed_enabled)
-            restored = checkpointing.load_pipeline_state(checkpoint, self._identity())
-        lora = peft_policy.is_peft_policy(self.model)  # generators start from a merged copy, whatever the checkpoint
-        if checkpoint is not None and lora:
-            peft_policy.load_adapter_checkpoint(self.model, checkpoint)
-        if checkpoint is not None and not lora:
-            model_dir, init_copy = checkpoint, None  # generators start from the checkpoint's weights
-        else:
-            # LoRA: the base's own directory while the adapters change nothing, else a merged copy
-            source = self._source_model_path if not lora or peft_policy.adapters_are_identity(self.model) else None
-            model_dir, init_copy = initial_model_dir(source, self.model, self.processing_class, self.accelerator,
-                                                     self.args.shm_dir)
+        try:  # until the pipeline takes them, generators spawned early are this method's to close
+            checkpoint = checkpointing.resolve(resume_from_checkpoint, self.args.output_dir)
+            restored = {"version": 0, "pending": [], "counters": {}}
+            if checkpoint is not None:  # validated before any generator starts
+                checkpointing.check_resume_is_safe(checkpoint, unpickles=self.is_deepspeed_enabled)
+                restored = checkpointing.load_pipeline_state(checkpoint, self._identity())
+            # LoRA: generators start from a merged copy, whatever the checkpoint
+            lora = peft_policy.is_peft_policy(self.model)
+            if checkpoint is not None and lora:
+                peft_policy.load_adapter_checkpoint(self.model, checkpoint)
+            if checkpoint is not None and not lora:
+                model_dir, init_copy = checkpoint, None  # generators start from the checkpoint's weights
+            else:
+                # LoRA: the base's own directory while the adapters change nothing, else a merged copy
+                source = self._source_model_path if not lora or peft_policy.adapters_are_identity(self.model) else None
+                model_dir, init_copy = initial_model_dir(source, self.model, self.processing_class, self.accelerator,
+                                                         self.args.shm_dir)
+        except BaseException:
+            self._close_early_pool()
+            raise
         early, self._early_pool = self._early_pool, None  # spawned by the constructor (early_start.py)
         self.pipeline = RolloutPipeline(self.args, self.prompt_token_ids, model_dir, self.accelerator,
                                         self._total_steps(), self.sampling_settings(),

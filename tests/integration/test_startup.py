@@ -37,8 +37,8 @@ def _generators_alive() -> set[int]:
 
 def test_generators_spawn_while_the_trainer_is_built_and_train_uses_them(tiny_model_dir, tiny_run_config, tmp_path):
     before = _generators_alive()
-    trainer = AsyncOnlineDPOTrainer(tiny_model_dir, reward_funcs=reward, args=tiny_run_config(tmp_path / "out"),
-                                    train_dataset=PROMPTS)
+    trainer = AsyncOnlineDPOTrainer(tiny_model_dir, reward_funcs=reward, train_dataset=PROMPTS,
+                                    args=tiny_run_config(tmp_path / "out", generator_early_start=True))
     early = trainer._early_pool
     assert early is not None and early.processes[0].pid is not None  # spawned before train() was called
     trainer.train()
@@ -68,11 +68,26 @@ def test_early_generators_that_differ_from_those_needed_are_closed(tiny_model_di
     same.close()
 
 
+def test_without_early_start_a_built_trainer_starts_no_process_and_a_failed_train_closes_early_ones(
+        tiny_model_dir, tiny_run_config, tmp_path):
+    before = _generators_alive()
+    trainer = AsyncOnlineDPOTrainer(tiny_model_dir, reward_funcs=reward, train_dataset=PROMPTS,
+                                    args=tiny_run_config(tmp_path / "plain"))  # a library user's default
+    assert trainer._early_pool is None and _generators_alive() <= before
+    trainer = AsyncOnlineDPOTrainer(tiny_model_dir, reward_funcs=reward, train_dataset=PROMPTS,
+                                    args=tiny_run_config(tmp_path / "out", generator_early_start=True))
+    assert trainer._early_pool is not None
+    with pytest.raises(Exception, match="no_such_checkpoint|does not exist|not found"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "no_such_checkpoint"))
+    assert trainer._early_pool is None and _generators_alive() <= before  # closed by train(), not left to the gc
+
+
 def test_a_trainer_that_fails_to_build_leaves_no_generator_behind(tiny_model_dir, tiny_run_config, tmp_path):
     before = _generators_alive()
     with pytest.raises(OSError) as failure:  # the reference model fails to load after the generator was spawned
         AsyncOnlineDPOTrainer(tiny_model_dir, ref_model=str(tmp_path / "no_such_model"), reward_funcs=reward,
-                              args=tiny_run_config(tmp_path / "out"), train_dataset=PROMPTS)
+                              args=tiny_run_config(tmp_path / "out", generator_early_start=True),
+                              train_dataset=PROMPTS)
     assert any(entry.name == "_build" for entry in failure.traceback)  # failed in the part after the spawn
     assert _generators_alive() <= before
 

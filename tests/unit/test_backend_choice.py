@@ -180,7 +180,8 @@ def test_the_trainer_decides_before_any_generator_starts(make_config, tiny_model
     chose is already spawned (`early_start.py`)."""
     data = Dataset.from_dict({"prompt": ["abc", "def"]})
     reward = lambda completions, **kw: [0.0] * len(completions)  # noqa: E731
-    short = dict(max_length=48, max_new_tokens=6, per_device_train_batch_size=2)  # the tiny policies: 256 positions
+    short = dict(max_length=48, max_new_tokens=6, per_device_train_batch_size=2,  # the tiny policies: 256 positions
+                 generator_early_start=True)
     if vllm_facts()["platform"] != "cpu":
         pytest.skip("written for CPU generators")
     cache(make_config(**short), tiny_model_dir, transformers=_figures(4.0, 0.2), vllm=_figures(9.0, 0.2))
