@@ -164,14 +164,22 @@ def ideal_summary(post: Post) -> str:
 
 def make_split(num_rows: int, seed: int, split: str, conversational: bool = False) -> Dataset:
     """One split: `prompt`, `completion` (an SFT demonstration) and `reference` (a human reference summary)."""
-    rng = random.Random(f"{seed}-{split}")
-    demonstration_rng = random.Random(f"{seed}-{split}-demonstration")
-    reference_rng = random.Random(f"{seed}-{split}-reference")
+    return split_rows(num_rows, f"{seed}-{split}", conversational, sample_post,
+                      lambda post, rng: noisy_summary(post, DEMONSTRATION_NOISE, rng),
+                      lambda post, rng: noisy_summary(post, REFERENCE_NOISE, rng))
+
+
+def split_rows(num_rows: int, rng_name: str, conversational: bool, sample, demonstrate, refer) -> Dataset:
+    """`num_rows` rows of posts from `sample(rng)`, each with a demonstration `demonstrate(post, rng)` and a
+    reference `refer(post, rng)`, every stream seeded by `rng_name` (shared by the built-in and long-tail tasks)."""
+    rng = random.Random(rng_name)
+    demonstration_rng = random.Random(f"{rng_name}-demonstration")
+    reference_rng = random.Random(f"{rng_name}-reference")
     rows: dict[str, list] = {"prompt": [], "completion": [], "reference": []}
     for _ in range(num_rows):
-        post = sample_post(rng)
-        demonstration = noisy_summary(post, DEMONSTRATION_NOISE, demonstration_rng)
-        reference = noisy_summary(post, REFERENCE_NOISE, reference_rng)
+        post = sample(rng)
+        demonstration = demonstrate(post, demonstration_rng)
+        reference = refer(post, reference_rng)
         if conversational:  # the chat template's tokenizer adds the leading space back (see data/tokenizer.py)
             rows["prompt"].append([{"role": "user", "content": post.prompt}])
             rows["completion"].append([{"role": "assistant", "content": demonstration.strip()}])

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 from datasets import Dataset, DatasetDict
 
-from async_rlhf.data.builtin_task import FILLERS, PROMPT_TEMPLATE, TOPICS, _post_words, _text
+from async_rlhf.data.builtin_task import FILLERS, PROMPT_TEMPLATE, TOPICS, _post_words, _text, split_rows
 
 TASK_VERSION = 1
 NAME = "longtail"
@@ -159,21 +159,9 @@ def ideal_summary(post: Post) -> str:
 
 def make_split(num_rows: int, seed: int, split: str, conversational: bool = False) -> Dataset:
     """One split: `prompt`, `completion` (an SFT demonstration), `reference` (a human reference summary)."""
-    rng = random.Random(f"{NAME}-{seed}-{split}")
-    demonstration_rng = random.Random(f"{NAME}-{seed}-{split}-demonstration")
-    reference_rng = random.Random(f"{NAME}-{seed}-{split}-reference")
-    rows: dict[str, list] = {"prompt": [], "completion": [], "reference": []}
-    for _ in range(num_rows):
-        post = sample_post(rng)
-        demonstration = noisy_summary(post, DEMONSTRATION_NOISE, demonstration_rng)
-        if conversational:
-            rows["prompt"].append([{"role": "user", "content": post.prompt}])
-            rows["completion"].append([{"role": "assistant", "content": demonstration.strip()}])
-        else:
-            rows["prompt"].append(post.prompt)
-            rows["completion"].append(demonstration)
-        rows["reference"].append(noisy_summary(post, REFERENCE_NOISE, reference_rng))
-    return Dataset.from_dict(rows)
+    return split_rows(num_rows, f"{NAME}-{seed}-{split}", conversational, sample_post,
+                      lambda post, rng: noisy_summary(post, DEMONSTRATION_NOISE, rng),
+                      lambda post, rng: noisy_summary(post, REFERENCE_NOISE, rng))
 
 
 def make_splits(seed: int = 0, conversational: bool = False, sizes: dict[str, int] | None = None) -> DatasetDict:

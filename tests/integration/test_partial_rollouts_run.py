@@ -23,6 +23,7 @@ from async_rlhf import AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer
 from async_rlhf.checkpointing import PIPELINE_FILE
 from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
 from async_rlhf.prompt_stream import PromptStream
+from stop_at import StopAt
 
 pytest.importorskip("vllm")
 
@@ -66,15 +67,6 @@ def check_records(out, steps: int = STEPS) -> dict[int, dict]:
     assert len(trained) == len(set(trained)), "a group trained twice"
     assert set(trained) == {divmod(k, P) for k in range(steps * P)}, "a group lost"
     return final
-
-
-class StopAt(TrainerCallback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            control.should_training_stop = True
 
 
 def test_stopped_with_groups_in_flight_and_resumed_trains_every_group_once_within_the_bound(tmp_path, tiny_model_dir):

@@ -14,12 +14,12 @@ import time
 
 import pytest
 import torch
-from transformers import TrainerCallback
 
 from async_rlhf import AsyncOnlineDPOTrainer
 from async_rlhf.checkpointing import COMPLETE_MARKER, CheckpointError, latest_complete_checkpoint
 from async_rlhf.prompt_stream import PromptStream
 from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
+from stop_at import StopAt
 
 STEPS = 40
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -39,15 +39,6 @@ def config(tiny_run_config):
     """This file's runs: 6 steps of 4 prompts, on-policy (exact resume is checked loss by loss)."""
     return functools.partial(tiny_run_config, max_steps=6, per_device_train_batch_size=4, max_new_tokens=8,
                              max_staleness=0, seed=7)
-
-
-class StopAt(TrainerCallback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            control.should_training_stop = True
 
 
 def test_stopped_and_resumed_run_matches_an_uninterrupted_one(tmp_path, tiny_model_dir, config):
