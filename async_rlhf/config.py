@@ -245,6 +245,12 @@ class AsyncRLConfig(TrainingArguments):
                   "the prompt's completions (RLHFless's shared prefix; equal to the unshared forward within float "
                   "tolerance, see benchmarks/shared_prefix.py for the time saved)."},
     )
+    cudnn_attention: bool = field(
+        default=False,
+        metadata={"help": "Let CUDA learners' scaled-dot-product attention use cuDNN's kernel. Off: cuDNN plans anew "
+                  "for every new sequence shape, and RL batches change shape every step (on an H100, 18-21 ms of CPU "
+                  "per attention call: most of the built-in task's learner step; docs/performance.md)."},
+    )
     reward_shared_prefix: bool = field(
         default=False,
         metadata={"help": "Run the tokens that the n completions of a prompt share once through a reward model "

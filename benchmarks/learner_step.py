@@ -2,6 +2,7 @@
 
     python benchmarks/learner_step.py                    # 32 prompts x 2 samples, 1 thread (the learner's share)
     python benchmarks/learner_step.py --n 4 --threads 2 --repeats 10
+    python benchmarks/learner_step.py --device cuda --bf16  # on the first GPU, under bf16 autocast as --bf16 trains
 
 The built-in task's SFT policy samples `--n` completions for each of `--prompts` training prompts (temperature 1,
 up to 24 tokens: what the first steps of a run train on); a chosen and a rejected row per prompt then go through
@@ -34,6 +35,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--n", type=int, default=2, help="completions sampled per prompt (2 rows trained each)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the learner's share of 2 cores)")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (the first GPU); phases end in a device sync")
+    parser.add_argument("--bf16", action="store_true", help="run the models under bf16 autocast (as --bf16 true)")
     args = parser.parse_args(argv)
     if args.prompts < 1 or args.n < 2 or args.repeats < 1 or args.threads < 1:
         raise SystemExit(f"--prompts, --repeats, --threads must be >= 1 and --n >= 2, got {args.prompts}, "
@@ -51,14 +54,20 @@ def main(argv: list[str] | None = None) -> dict:
     from async_rlhf.types import SamplingSettings, ScoredGroup
 
     torch.set_num_threads(args.threads)
+    if args.device != "cpu" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: torch sees no CUDA GPU")
+    device = torch.device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
     paths = prepare_builtin(seed=0)
     tok = AutoTokenizer.from_pretrained(paths["tokenizer"])
     policy = AutoModelForCausalLM.from_pretrained(paths["sft_model"], dtype=torch.float32).train()
     ref = AutoModelForCausalLM.from_pretrained(paths["sft_model"], dtype=torch.float32).eval().requires_grad_(False)
+    sampler = TransformersSampler(ref, tok.pad_token_id, tok.eos_token_id)  # samples on the CPU: same rows anywhere
+    policy, ref = policy.to(device), ref.to(device)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-12)  # the step's cost, not its effect, is measured
     rows = make_splits(seed=0)["train"].select(range(args.prompts))
     prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in rows["prompt"]]
-    sampler = TransformersSampler(ref, tok.pad_token_id, tok.eos_token_id)
     samples = sampler.generate(prompts, SamplingSettings(max_new_tokens=24, temperature=1.0, n=args.n, seed=0))
     groups = [ScoredGroup(i, p, s, [0.0] * args.n, 0) for i, (p, s) in enumerate(zip(prompts, samples))]
     select = [(g, 0) for g in range(len(groups))] + [(g, 1) for g in range(len(groups))]  # chosen, then rejected
@@ -69,23 +78,26 @@ def main(argv: list[str] | None = None) -> dict:
         marks = [time.perf_counter()]
 
         def mark():
+            sync()
             marks.append(time.perf_counter())
 
-        ids, attn, comp, _ = completion_batch(groups, tok.pad_token_id, max_length, "cpu", select)
+        ids, attn, comp, _ = completion_batch(groups, tok.pad_token_id, max_length, device, select)
         buckets = [list(range(len(select)))] if mode == "padded" else length_buckets(attn.sum(-1).tolist())
         mark()
         out = None
-        if mode == "shared prefix, both":
-            out = shared_prefix_token_logps(policy, groups, select, comp[:, 1:].float(), max_length)
-        logps, mask, _ = bucketed_token_logps(policy, ids, attn, comp, buckets) if out is None else (*out, 0)
+        with autocast:
+            if mode == "shared prefix, both":
+                out = shared_prefix_token_logps(policy, groups, select, comp[:, 1:].float(), max_length)
+            logps, mask, _ = bucketed_token_logps(policy, ids, attn, comp, buckets) if out is None else (*out, 0)
         mask = comp[:, 1:].float()
         mark()
         reference = None
-        if mode.startswith("shared prefix"):
-            reference = shared_prefix_logps(ref, groups, select, mask, max_length)
-        if reference is None:
-            with torch.no_grad():
-                reference, _, _ = bucketed_token_logps(ref, ids, attn, comp, buckets)
+        with autocast:
+            if mode.startswith("shared prefix"):
+                reference = shared_prefix_logps(ref, groups, select, mask, max_length)
+            if reference is None:
+                with torch.no_grad():
+                    reference, _, _ = bucketed_token_logps(ref, ids, attn, comp, buckets)
         mark()
         seq, ref_seq = logps.sum(-1), reference.sum(-1)
         loss, metrics = dpo_loss(seq[:n], seq[n:], ref_seq[:n], ref_seq[n:], 0.1)
@@ -111,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"policy {sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M parameters; {n} prompts x {args.n} "
           f"samples, {len(select)} rows trained; real tokens {sum(lengths)}, padded to the longest {tokens['padded']} "
           f"(width {ids.shape[1]}), in {len(buckets)} length buckets {tokens['buckets']} (widths "
-          f"{[max(lengths[r] for r in b) for b in buckets]}), with each prompt once {tokens['shared prefix']}; {args.threads} thread(s), median of {args.repeats}")
+          f"{[max(lengths[r] for r in b) for b in buckets]}), with each prompt once {tokens['shared prefix']}; {args.threads} thread(s), median of {args.repeats}; {args.device}{', bf16 autocast' if args.bf16 else ''}")
     baseline = step("padded")
     diffs = {mode: float((step(mode) - baseline).abs().max()) for mode in MODES}  # warm-up, and the log-prob check
     times: dict[str, dict[str, list[float]]] = {mode: {} for mode in MODES}

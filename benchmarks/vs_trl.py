@@ -3,6 +3,7 @@
     python benchmarks/vs_trl.py --quick                # 1 seed, 40 steps: a smoke run (about 3 minutes on 2 cores)
     python benchmarks/vs_trl.py                        # 3 seeds x 100 steps x both trainers (about 8 minutes)
     python benchmarks/vs_trl.py --variants '' '--generator_backend transformers' '--num_generations 4'
+    python benchmarks/vs_trl.py --quick --device cuda  # one GPU: TRL on it; ours colocated there (bf16 both)
 
 Both trainers start from the built-in task's SFT policy, score with its proxy reward model and train on the same
 prompts in the same order (our `PromptStream` for the seed; TRL reads the dataset sequentially in that order), with
@@ -11,7 +12,9 @@ max_new_tokens, max_length, temperature, prompts per step, optimizer): TRL's `tr
 (synchronous: transformers generation, then the reward model, then policy and reference forwards, all in one
 process with every core) and ours (one generator process next to one learner process). `--variants` runs ours once
 per quoted set of recipe flags (e.g. `--num_generations 4`: TRL always samples 2 per prompt); flags after `--ours`
-go to every one of our runs.
+go to every one of our runs. `--device cuda` runs both on the first GPU in bf16: TRL as usual (everything in one
+process), ours with its learner and one transformers-backend generator colocated on that GPU (weights as CUDA IPC
+handles; `--generator_backend transformers` because vLLM's CUDA build is not part of this check).
 
 Each run is a child process of this one (so both start cold, and the process wall time is measured from outside).
 Every `--eval_every` steps the run's current policy is evaluated on the task's gold win-rate (512 held-out prompts,
@@ -133,7 +136,7 @@ def run_trl(args, script, config) -> dict:
         max_new_tokens=c.max_new_tokens, max_length=c.max_length, temperature=c.temperature, top_p=c.top_p,
         top_k=c.top_k or None, missing_eos_penalty=c.missing_eos_penalty, disable_dropout=c.disable_dropout,
         seed=c.seed, logging_steps=10, save_strategy="no", report_to="none", disable_tqdm=True,
-        train_sampling_strategy="sequential", use_cpu=True)
+        train_sampling_strategy="sequential", use_cpu=args.device == "cpu", bf16=args.device == "cuda")
     t0 = time.perf_counter()
     trainer = OnlineDPOTrainer(model=task.model, reward_funcs=task.reward, args=trl_args, train_dataset=dataset,
                                processing_class=tokenizer)
@@ -184,7 +187,8 @@ def run_child(run: dict, seed: int, args, result_dir: str) -> dict:
     stem = os.path.join(result_dir, f"{run['name'].replace(' ', '_').replace('-', '')}-seed{seed}")
     cmd = [sys.executable, os.path.abspath(__file__), "--run", run["trainer"], "--seed", str(seed), "--steps",
            str(args.steps), "--eval_every", str(args.eval_every), "--eval_prompts", str(args.eval_prompts),
-           "--trl_threads", str(args.trl_threads), "--result", stem + ".json", "--ours", *run["flags"]]
+           "--trl_threads", str(args.trl_threads), "--device", args.device, "--result", stem + ".json",
+           "--ours", *run["flags"]]
     print(f"[vs_trl] {run['name']} seed {seed} (log: {stem}.log)", flush=True)
     t0 = time.perf_counter()
     with open(stem + ".log", "w") as log:
@@ -202,7 +206,8 @@ def report(results: list[dict], runs: list[dict], args, start_win_rate: float) -
     names = [r["name"] for r in runs]
     by = {n: [r for r in results if r["name"] == n] for n in names}
     curves = {n: mean_curve(by[n]) for n in names}
-    print(f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, load average before "
+    gpu = f", {args.gpu_name}" if args.device == "cuda" else ""
+    print(f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores{gpu}, load average before "
           f"{args.load_before}; {args.steps} steps, seeds {args.seeds}, gold evaluation on {args.eval_prompts} "
           f"prompts every {args.eval_every} steps (SFT start: {start_win_rate:.3f}); clock: training seconds from "
           f"building the trainer, evaluations excluded")
@@ -275,6 +280,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--trl_threads", type=int, default=0,
                    help="torch threads of TRL's run (0: every core, the fair peer on an idle machine; on a machine "
                         "loaded by other work, 2 OpenMP threads on 2 busy cores stall each other, so use 1 there)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: both trainers on the first GPU in bf16 (ours: learner and generator colocated there)")
     p.add_argument("--output_dir", default="outputs/vs_trl", help="results.json and each run's log")
     p.add_argument("--run_timeout", type=float, default=3600.0, help="seconds one run may take before it is killed")
     p.add_argument("--run", choices=TRAINERS, help=argparse.SUPPRESS)  # child mode
@@ -282,6 +289,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.ours_flags = ours_flags
+    if args.device == "cuda":  # before the user's flags, which may override them
+        args.ours_flags = ["--bf16", "true", "--generator_devices", "cuda:0", "--colocate", "true",
+                           "--generator_backend", "transformers", *ours_flags]
     if args.steps < 1 or args.eval_every < 1 or args.eval_prompts < 1 or args.trl_threads < 0:
         raise SystemExit(f"--steps, --eval_every, --eval_prompts must be >= 1 and --trl_threads >= 0, got "
                          f"{args.steps}, {args.eval_every}, {args.eval_prompts}, {args.trl_threads}")
@@ -301,6 +311,12 @@ def main(argv: list[str] | None = None) -> None:
 
     with open(prepare_builtin(seed=0)["manifest"]) as f:
         start_win_rate = json.load(f)["sft_gold_win_rate"]
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: torch sees no CUDA GPU")
+        args.gpu_name = torch.cuda.get_device_name(0)
     args.load_before = " ".join(open("/proc/loadavg").read().split()[:3]) if os.path.exists("/proc/loadavg") else "?"
     os.makedirs(args.output_dir, exist_ok=True)
     results = []

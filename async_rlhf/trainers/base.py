@@ -256,6 +256,8 @@ class AsyncTrainerBase(Trainer):
         self.timeline.mark("train_called")
         if self.accelerator.device.type == "cpu":
             torch.set_num_threads(self.args.cpu_learner_threads())
+        elif self.accelerator.device.type == "cuda":  # process-wide: the scoring thread's models run here too
+            torch.backends.cuda.enable_cudnn_sdp(self.args.cudnn_attention)
         try:  # until the pipeline takes them, generators spawned early are this method's to close
             checkpoint = checkpointing.resolve(resume_from_checkpoint, self.args.output_dir)
             restored = {"version": 0, "pending": [], "counters": {}}

@@ -25,7 +25,8 @@ def _generator(model_dir: str, inbox, outbox) -> None:
     backend.load_weights(update)
     ids = torch.tensor([[1, 2, 3, 4, 5]], device="cuda:0")
     with torch.no_grad():
-        outbox.put(backend.model(ids).logits.cpu())
+        # as numpy: a CPU tensor would travel as a shared-memory file descriptor served by this process, which exits
+        outbox.put(backend.model(ids).logits.cpu().numpy())
     backend.close()
 
 
@@ -55,7 +56,7 @@ def test_ipc_weights_reach_a_generator_on_the_same_gpu(tiny_model_dir):
         transport.close()
     with torch.no_grad():
         expected = model(torch.tensor([[1, 2, 3, 4, 5]], device=device)).logits.cpu()
-    torch.testing.assert_close(logits, expected)
+    torch.testing.assert_close(torch.from_numpy(logits), expected)
     assert transport.stats()["sync/ipc_held_versions"] == 0
 
 
@@ -69,3 +70,20 @@ def test_a_colocated_run_trains_on_one_gpu(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "run_summary.json").read_text())
     assert summary["steps"] == 4
+
+
+def test_cuda_learners_leave_cudnn_attention_off_unless_asked(tmp_path, tiny_run_config):
+    """cuDNN's attention plans anew for every sequence shape (most of a learner step on the built-in task, measured
+    on an H100); the learner turns it off unless `cudnn_attention` asks for it."""
+    from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
+    from async_rlhf.data.tiny_model import save_tiny_model
+    from async_rlhf.trainers.online_dpo import AsyncOnlineDPOTrainer
+
+    model_dir = save_tiny_model(str(tmp_path / "model"))
+    for ask in (False, True):
+        config = tiny_run_config(tmp_path / f"out-{ask}", max_steps=1, generator_devices=["cuda:0"], colocate=True,
+                                 cudnn_attention=ask)
+        trainer = AsyncOnlineDPOTrainer(model=model_dir, reward_funcs=lowercase_reward, args=config,
+                                        train_dataset=toy_prompts(8))
+        trainer.train()
+        assert torch.backends.cuda.cudnn_sdp_enabled() is ask
