@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from async_rlhf.config_checks import ConfigError, check_dir, check_elastic, check_types  # noqa: F401 (ConfigError: re-exported)
+from async_rlhf.config_checks import (ConfigError, check_dir, check_elastic, check_generator_servers,  # noqa: F401
+                                     check_partial_rollouts, check_types)  # (ConfigError: re-exported)
 from async_rlhf.trl_fields import apply_trl_fields
 
 GENERATOR_BACKENDS = ("auto", "vllm", "transformers")
@@ -330,8 +331,8 @@ class AsyncRLConfig(TrainingArguments):
             _require(getattr(self, name) in allowed, name, f"{getattr(self, name)!r} is not one of {allowed}")
         _require(self.generation_mode != "stream" or self.generator_backend != "transformers" or self.generator_servers,
                  "generation_mode", "'stream' needs generator_backend='vllm' (transformers samples whole batches)")
-        self._check_generator_servers()
-        self._check_partial_rollouts()
+        check_generator_servers(self)
+        check_partial_rollouts(self)
         check_elastic(self)
         check_dir("shm_dir", self.shm_dir)
         _require(self.reward_failure in REWARD_FAILURE_POLICIES, "reward_failure",
@@ -392,35 +393,6 @@ class AsyncRLConfig(TrainingArguments):
         if self.generation_mode == "auto":
             return self.generator_backend == "vllm" or bool(self.generator_servers)
         return self.generation_mode == "stream"
-
-    def _check_partial_rollouts(self) -> None:
-        """Groups carried across steps keep generating while weights change: only in-flight loads let them (with
-        'drain' a weight update would wait behind groups that never stop coming), and only streaming generators
-        answer group by group."""
-        p = self.partial_rollouts
-        _require(isinstance(p, int) and p >= 0, "partial_rollouts", f"must be an integer >= 0, got {p!r}")
-        if not p:
-            return
-        for ok, what in ((self.max_staleness >= 1, f"max_staleness >= 1 (got {self.max_staleness}: nothing can be "
-                                                   "carried past a step)"),
-                         (self.generation_mode != "batch" and self.generator_backend != "transformers",
-                          f"streaming generators (got generation_mode={self.generation_mode!r}, "
-                          f"generator_backend={self.generator_backend!r})"),
-                         (self.weight_load == "in_flight", f"weight_load='in_flight' (got {self.weight_load!r}: with "
-                                                           "'drain' weights wait for every running group)"),
-                         (not self.generator_servers, "local generators (generator_servers is not supported yet)"),
-                         (not self.generator_autoscale, "a fixed set of generators (generator_autoscale=True is not "
-                                                        "supported with it yet)")):
-            _require(ok, "partial_rollouts", f"partial_rollouts={p} needs {what}")
-
-    def _check_generator_servers(self) -> None:
-        from async_rlhf.generation.http_client import base_url
-
-        for address in self.generator_servers or []:
-            try:
-                base_url(address)
-            except ValueError as exc:
-                raise ConfigError(f"generator_servers: {exc}") from None
 
     @property
     def prompts_per_step(self) -> int:

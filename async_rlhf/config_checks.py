@@ -193,3 +193,37 @@ def check_elastic(config) -> None:
     if config.colocate:
         raise ConfigError("generator_autoscale: not with colocate (colocated generators share the learners' GPUs; "
                           "autoscaling adds generators on devices of their own)")
+
+
+def check_partial_rollouts(config) -> None:
+    """Groups carried across steps keep generating while weights change: only in-flight loads let them (with
+    'drain' a weight update would wait behind groups that never stop coming), and only streaming generators
+    answer group by group."""
+    p = config.partial_rollouts
+    if not isinstance(p, int) or p < 0:
+        raise ConfigError(f"partial_rollouts: must be an integer >= 0, got {p!r}")
+    if not p:
+        return
+    for ok, what in ((config.max_staleness >= 1, f"max_staleness >= 1 (got {config.max_staleness}: nothing can be "
+                                                 "carried past a step)"),
+                     (config.generation_mode != "batch" and config.generator_backend != "transformers",
+                      f"streaming generators (got generation_mode={config.generation_mode!r}, "
+                      f"generator_backend={config.generator_backend!r})"),
+                     (config.weight_load == "in_flight", f"weight_load='in_flight' (got {config.weight_load!r}: with "
+                                                         "'drain' weights wait for every running group)"),
+                     (not config.generator_servers, "local generators (generator_servers is not supported yet)"),
+                     (not config.generator_autoscale, "a fixed set of generators (generator_autoscale=True is not "
+                                                      "supported with it yet)")):
+        if not ok:
+            raise ConfigError(f"partial_rollouts: partial_rollouts={p} needs {what}")
+
+
+def check_generator_servers(config) -> None:
+    """Every `generator_servers` entry is an address the HTTP client can reach (scheme, host, port)."""
+    from async_rlhf.generation.http_client import base_url
+
+    for address in config.generator_servers or []:
+        try:
+            base_url(address)
+        except ValueError as exc:
+            raise ConfigError(f"generator_servers: {exc}") from None

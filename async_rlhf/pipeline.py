@@ -38,8 +38,7 @@ import threading
 import time
 from typing import Callable
 
-
-from async_rlhf.generation.assignment import LengthEstimator, assign, imbalance
+from async_rlhf.generation.assignment import ImbalanceTally, LengthEstimator, assign
 from async_rlhf.generation.pool import GeneratorPool
 from async_rlhf.generation.pool_protocol import GeneratorFailed, GeneratorPoolProtocol
 from async_rlhf.generation.pools import make_pool
@@ -105,7 +104,7 @@ class RolloutPipeline:
         self._in_flight_tokens = collections.defaultdict(float)  # generator -> expected tokens sent, not returned
         self._owners: dict[tuple[int, int], list] = {}  # (batch, part) -> [(generator, expected tokens)] per send
         self._load_lock = threading.Lock()  # the three above: dispatch (main thread) and the reader thread
-        self.imbalance_sums = [0.0, 0.0, 0]  # max/mean tokens per generator: as assigned, as count chunks; batches
+        self.imbalance = ImbalanceTally()  # generator/imbalance: max/mean tokens per generator
         # per-batch stage timing for the planner (`plan/feedback.py`): dispatch and last part's arrival on rank 0
         self._dispatched_at: dict[int, float] = {}
         self._arrived_at: dict[int, float] = {}
@@ -345,13 +344,7 @@ class RolloutPipeline:
             self.latency = [self.latency[0] + now - sent, self.latency[1] + now - arrived, self.latency[2] + 1]
         ordered = [parts[c] for c in range(part.num_chunks)]
         if part.num_chunks > 1 and self.pool_size > 1:
-            tokens = [sum(len(c.token_ids) for c in group) for p in ordered for group in p.completions]
-            ids = {g: j for j, g in enumerate(sorted({p.generator_id for p in ordered}))}  # elastic: ids change
-            owners = [ids[p.generator_id] for p in ordered for _ in p.prompt_ids]
-            assigned, counted = imbalance(tokens, owners, max(self.pool_size, len(ids)))
-            self.imbalance_sums[0] += assigned
-            self.imbalance_sums[1] += counted
-            self.imbalance_sums[2] += 1
+            self.imbalance.add(ordered, self.pool_size)
         if part.num_chunks == 1:
             self.queue.put(part)
             return True
@@ -373,14 +366,6 @@ class RolloutPipeline:
         self.syncs += c.get("syncs", 0)
 
     # ---- metrics -----------------------------------------------------------------------------------------
-    def _imbalance_stats(self) -> dict[str, float]:
-        """Mean over batches split across generators of max/mean tokens per generator (1.0: perfectly even), as
-        assigned and as equal-count chunks would have been (`assignment.imbalance`)."""
-        assigned, counted, batches = self.imbalance_sums
-        if not batches:
-            return {}
-        return {"generator/imbalance": assigned / batches, "generator/imbalance_count_split": counted / batches}
-
     def stats(self) -> dict[str, float]:
         """Cumulative pipeline metrics (meaningful on rank 0)."""
         q = self.queue
@@ -394,7 +379,7 @@ class RolloutPipeline:
             "generator/tokens_per_s": self.gen_tokens / self.gen_seconds if self.gen_seconds else 0.0,
             "learner/wait_seconds": self.timers["wait"],
             "sync/count": float(self.syncs),
-            **self._imbalance_stats(),
+            **self.imbalance.stats(),
             "sync/bytes": float(self.sync_bytes),
             "sync/gather_seconds": self.timers["sync_gather"],
             "sync/transfer_seconds": self.timers["sync_transfer"],

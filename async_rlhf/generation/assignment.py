@@ -69,3 +69,29 @@ def imbalance(tokens: list[int], owner: list[int], num_generators: int) -> tuple
     bounds = [round(c * len(tokens) / chunks) for c in range(chunks + 1)]
     counted = [sum(tokens[bounds[c]:bounds[c + 1]]) for c in range(chunks)] + [0] * (num_generators - chunks)
     return ratio(assigned), ratio(counted)
+
+
+class ImbalanceTally:
+    """The run's `generator/imbalance` metrics: the mean, over batches split across generators, of max/mean tokens
+    per generator (1.0: perfectly even), as assigned and as equal-count chunks would have been (`imbalance`)."""
+
+    def __init__(self):
+        self.assigned = self.counted = 0.0
+        self.batches = 0
+
+    def add(self, parts: list, pool_size: int) -> None:
+        """One reassembled batch: its `RolloutBatch` parts in chunk order."""
+        tokens = [sum(len(c.token_ids) for c in group) for p in parts for group in p.completions]
+        ids = {g: j for j, g in enumerate(sorted({p.generator_id for p in parts}))}  # elastic: ids change
+        owners = [ids[p.generator_id] for p in parts for _ in p.prompt_ids]
+        assigned, counted = imbalance(tokens, owners, max(pool_size, len(ids)))
+        self.assigned += assigned
+        self.counted += counted
+        self.batches += 1
+
+    def stats(self) -> dict[str, float]:
+        if not self.batches:
+            return {}
+        return {"generator/imbalance": self.assigned / self.batches,
+                "generator/imbalance_count_split": self.counted / self.batches}
+

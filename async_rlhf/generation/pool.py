@@ -36,14 +36,13 @@ Elastic membership (`generator_autoscale`, driven by `elastic.py`), with the gua
 
 Processes are started from the main thread only (`start`, `check` which restarts, `add_generator`): a generator's
 parent-death signal is tied to the thread that spawned it. How a generator is started is the launcher's business:
-`ProcessLauncher` (spawned processes, the default) or `ray_launcher.RayLauncher` (Ray actors,
+`processes.ProcessLauncher` (spawned processes, the default) or `ray_launcher.RayLauncher` (Ray actors,
 `generator_launcher='ray'`); both give the queue and process surface this pool uses.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import multiprocessing.util
 import queue
 import threading
@@ -51,29 +50,12 @@ import time
 from typing import Callable
 
 from async_rlhf.generation.pool_protocol import AckTracker, GeneratorFailed
-from async_rlhf.generation.worker import GeneratorSpec, generator_main
+from async_rlhf.generation.processes import ProcessLauncher, kill_all, see_log, stop_process
+from async_rlhf.generation.worker import GeneratorSpec
 from async_rlhf.staleness_queue import StageTimeout
 from async_rlhf.types import GenerationRequest, RolloutBatch, Shutdown, WeightUpdate
 
 logger = logging.getLogger(__name__)
-
-
-class ProcessLauncher:
-    """Generators as spawned processes of learner rank 0, with `multiprocessing` queues (the default launcher)."""
-
-    def __init__(self):
-        self._ctx = mp.get_context("spawn")
-
-    def queues(self):
-        """(inbox, outbox) for one generator process."""
-        return self._ctx.Queue(), self._ctx.Queue()
-
-    def process(self, spec: GeneratorSpec, inbox, outbox):
-        return self._ctx.Process(target=generator_main, args=(spec, inbox, outbox), daemon=True,
-                                 name=f"async_rlhf-generator-{spec.generator_id}")
-
-    def close(self) -> None:
-        pass
 
 
 class GeneratorPool:
@@ -113,7 +95,7 @@ class GeneratorPool:
         self.start_seconds = 0.0  # spawn -> every engine up
         self.start_wait_seconds = 0.0  # of which the caller of `start` waited (the rest overlapped its own work)
         # runs before multiprocessing's exit handler terminates (SIGTERM, ignored) and joins daemonic children
-        self._kill_at_exit = multiprocessing.util.Finalize(self, _kill_all, args=(self.processes,), exitpriority=10)
+        self._kill_at_exit = multiprocessing.util.Finalize(self, kill_all, args=(self.processes,), exitpriority=10)
 
     def _process(self, spec: GeneratorSpec, inbox, outbox):
         return self.launcher.process(spec, inbox, outbox)
@@ -184,13 +166,13 @@ class GeneratorPool:
                 for spec, p in zip(self.specs, self.processes):
                     if p.exitcode is not None:
                         raise GeneratorFailed(f"generator {spec.generator_id} ({spec.device}) exited with code "
-                                              f"{p.exitcode} during start-up{_see_log(spec)}")
+                                              f"{p.exitcode} during start-up{see_log(spec)}")
                 continue
             if msg.kind == "ready":
                 ready.add(msg.generator_id)
             elif msg.kind == "error":
                 raise GeneratorFailed(f"generator {msg.generator_id} failed to start:\n{msg.message}"
-                                      f"{_see_log({s.generator_id: s for s in self.specs}[msg.generator_id])}")
+                                      f"{see_log({s.generator_id: s for s in self.specs}[msg.generator_id])}")
         self.start_seconds = time.monotonic() - t0
         self.start_wait_seconds = time.monotonic() - waited_from
         self._reader = threading.Thread(target=self._read, name="async_rlhf-rollout-reader", daemon=True)
@@ -213,7 +195,7 @@ class GeneratorPool:
         # are still starting, and read no inbox until their engine is up, so they are killed at once
         deadline = time.monotonic() + (timeout if self._reader is not None else 0.0)
         for p in self.processes:
-            _stop_process(p, max(0.0, deadline - time.monotonic()))
+            stop_process(p, max(0.0, deadline - time.monotonic()))
         if self._reader is not None:
             self._reader.join(5.0)
         for q in [*self.inboxes, *self.outboxes]:
@@ -272,7 +254,7 @@ class GeneratorPool:
         for g, t in sent:
             p = self.processes[g]
             if p.exitcode is None and now - t > self.start_timeout:
-                _stop_process(p, 0.0)
+                stop_process(p, 0.0)
             if p.exitcode is not None:
                 with self._lock:
                     del self._retiring[g]
@@ -312,7 +294,7 @@ class GeneratorPool:
             if self._stopping.is_set():
                 raise GeneratorFailed(f"generator {spec.generator_id} ({spec.device}) exited with code {p.exitcode} "
                                       f"while the run was stopping; not restarted. Last error:\n"
-                                      f"{self._errors.get(spec.generator_id) or '(none reported)'}{_see_log(spec)}")
+                                      f"{self._errors.get(spec.generator_id) or '(none reported)'}{see_log(spec)}")
             self._restart(i, f"exited with code {p.exitcode}")
 
     def _restart(self, i: int, reason: str) -> None:
@@ -324,11 +306,11 @@ class GeneratorPool:
                 time.sleep(0.05)
             raise GeneratorFailed(f"generator {gid} ({spec.device}) {reason}; restarts exhausted "
                                   f"({self.max_restarts}). Last error:\n{self._errors.get(gid) or '(none reported)'}"
-                                  f"{_see_log(spec)}")
+                                  f"{see_log(spec)}")
         self.restarts[gid] += 1
         logger.warning("generator %d (%s) %s; restarting (%d/%d) and re-issuing %d request(s)", gid, spec.device,
                        reason, self.restarts[gid], self.max_restarts, len(self._in_flight[gid]))
-        _stop_process(self.processes[i], 5.0)
+        stop_process(self.processes[i], 5.0)
         self.inboxes[i].cancel_join_thread()
         self.outboxes[i].cancel_join_thread()
         inbox, outbox = self.launcher.queues()
@@ -385,24 +367,3 @@ class GeneratorPool:
                             self.acks.sent(gid, update.version)
                             self.inboxes[gid].put(update)
                         self._joining.discard(gid)
-
-
-def _see_log(spec: GeneratorSpec) -> str:
-    return f"\n(the generator's full output: {spec.log_path})" if spec.log_path else ""
-
-
-def _stop_process(p, timeout: float) -> None:
-    """Wait up to `timeout` for `p` to exit, then SIGKILL it (a generator ignores SIGTERM)."""
-    if p.pid is None:
-        return
-    p.join(timeout)
-    if p.is_alive():
-        p.kill()
-        p.join(5.0)
-
-
-def _kill_all(processes: list) -> None:
-    for p in processes:
-        if p.pid is not None and p.exitcode is None:
-            p.kill()
-            p.join(5.0)

@@ -1,6 +1,6 @@
 """Generators as Ray actors (`generator_launcher='ray'`; Ray is an optional extra: requirements-ray.txt).
 
-What changes against the default launcher (`pool.ProcessLauncher`) is only how a generator is started and reached:
+What changes against the default launcher (`processes.ProcessLauncher`) is only how a generator is started and reached:
 * **placement**: each generator is an actor asking Ray for a GPU (`cuda:*` entries of `generator_devices` /
   `generator_autoscale_devices`: the entry says "a GPU", Ray picks which, and the actor sees it as its only one) or
   for `generator_threads` CPUs (`cpu` entries). Ray schedules it, and a replacement (the pool restarts a dead
@@ -40,7 +40,7 @@ def ray_installed() -> bool:
 
 
 def make_launcher(args):
-    """The launcher `args.generator_launcher` names; None for the default (`pool.ProcessLauncher`)."""
+    """The launcher `args.generator_launcher` names; None for the default (`processes.ProcessLauncher`)."""
     if args.generator_launcher != "ray":
         return None
     return RayLauncher()

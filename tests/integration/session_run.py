@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import time
 
@@ -13,12 +14,27 @@ import psutil
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def free_port() -> int:
+    """A TCP port nothing listens on now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def own_port(cmd: list[str]) -> list[str]:
+    """`cmd` with `--main_process_port <free port>` after `accelerate launch` where it names none: learner ranks of
+    two runs at once (two test sessions on one machine) would otherwise meet on accelerate's default port 29500."""
+    if cmd[:2] != ["accelerate", "launch"] or "--main_process_port" in cmd:
+        return cmd
+    return [*cmd[:2], "--main_process_port", str(free_port()), *cmd[2:]]
+
+
 def start_logged(cmd: list[str], log_path, env: dict | None = None, own_session: bool = False) -> subprocess.Popen:
     """Start `cmd` from the repository root with stdout and stderr into the file log_path. Not into a pipe: a pipe
     the test does not drain fills at 64 KiB of step logs and blocks the child inside print(), where not even its
     signal handlers run, so the test would hang on the pipe instead of testing the run."""
     with open(log_path, "w") as log:  # the child holds its own descriptor
-        return subprocess.Popen(cmd, cwd=ROOT, env=env or {**os.environ, "WANDB_MODE": "disabled"}, stdout=log,
+        return subprocess.Popen(own_port(cmd), cwd=ROOT, env=env or {**os.environ, "WANDB_MODE": "disabled"}, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=own_session)
 
 
@@ -40,7 +56,7 @@ def run_in_own_session(cmd: list[str], timeout: float, log_tail: int = 6000) -> 
     """Run `cmd` from the repository root with WANDB off; return its output. Fails with the log's tail on a
     non-zero exit, on timeout (the whole session is killed), and when a process of the session outlives it."""
     env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc = subprocess.Popen(own_port(cmd), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
         log, _ = proc.communicate(timeout=timeout)

@@ -26,7 +26,7 @@ from async_rlhf.checkpointing import COMPLETE_MARKER, CheckpointError, latest_co
 from async_rlhf.generation.pool_protocol import GeneratorFailed
 from async_rlhf.prompt_stream import PromptStream
 from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
-from session_run import ROOT, start_logged, wait_for
+from session_run import ROOT, own_port, start_logged, wait_for
 FAULT_RUN = os.path.join(ROOT, "tests/integration/fault_run.py")
 ENV = {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
@@ -158,7 +158,7 @@ def test_exhausted_restarts_with_two_learner_ranks_checkpoint_on_both(tmp_path):
     out = tmp_path / "run"
     cmd = ["accelerate", "launch", "--config_file", os.path.join(ROOT, "launch/accelerate/cpu_2proc_gloo.yaml"),
            FAULT_RUN, str(out), "--max_steps", "50", "--save_steps", "100", "--fault", "break_generator", "--at", "4"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(own_port(cmd), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=400)
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "GeneratorFailed: generator 0 (cpu)" in log and "restarts exhausted (1)" in log, log[-4000:]

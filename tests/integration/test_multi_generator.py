@@ -35,6 +35,6 @@ def test_two_generators_share_each_batch_and_track_every_version(tmp_path, tiny_
 
         records = [json.loads(line) for line in (tmp_path / "trained_batches.jsonl").read_text().splitlines()]
         assert all(len(r["prompt_ids"]) == 5 for r in records)
-        assert trainer.pipeline.imbalance_sums[2] == steps  # one imbalance figure per streamed batch
+        assert trainer.pipeline.imbalance.batches == steps  # one imbalance figure per streamed batch
         assert trainer.pipeline.scoring.seconds > 0  # rank 0 scored the groups as they arrived
         assert all(m.get("scoring/hidden_fraction", 0) >= 0 for m in trainer.state.log_history)
