@@ -1,4 +1,4 @@
-"""What the one-time build of the built-in task (`prepare.py`) shows while it runs: a line saying what is built
+"""What the one-time build of a prepared task (the built-in or the long-tail one, `prepare.py`) shows while it runs: a line saying what is built
 where and about how long it takes, then one progress bar per stage (SFT steps, preference-pair sampling, reward
 model steps) with tqdm's rate and time left.
 
@@ -15,6 +15,7 @@ import sys
 from tqdm.auto import tqdm
 
 MIN_SECONDS = 5.0  # at most one redraw per this many seconds
+_label = ["task"]  # what the bars name: set by `building` for the build in progress
 
 
 def shown() -> bool:
@@ -26,9 +27,19 @@ def announce(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
+@contextlib.contextmanager
+def building(label: str):
+    """The bars opened inside name `label` ("built-in task", "long-tail task")."""
+    previous, _label[0] = _label[0], label
+    try:
+        yield
+    finally:
+        _label[0] = previous
+
+
 def stage(index: int, count: int, what: str, total: int, unit: str = "step") -> tqdm:
     """A bar for stage `index` of `count`; a no-op bar off rank 0."""
-    return tqdm(total=total, desc=f"built-in task [{index}/{count}] {what}", unit=unit, disable=not shown(),
+    return tqdm(total=total, desc=f"{_label[0]} [{index}/{count}] {what}", unit=unit, disable=not shown(),
                 mininterval=MIN_SECONDS, file=sys.stderr, dynamic_ncols=True)
 
 

@@ -372,7 +372,9 @@ def prepare_task(task, cache_dir: str | None = None, seed: int = 0, sft: SFTSett
             return paths
         build_progress.announce(f"Building {what} once into {cache_dir}: tokenizer, SFT policy, proxy reward "
                                 f"model ({minutes} minutes on 2 CPU cores; later runs reuse it)")
-        with built_atomically(cache_dir) as tmp, _all_cores(), build_progress.without_library_bars():
+        label = what[4:] if what.startswith("the ") else what
+        with (built_atomically(cache_dir) as tmp, _all_cores(), build_progress.without_library_bars(),
+              build_progress.building(label)):
             manifest = build_into(tmp, seed, sft, reward, task, max_positions)
         build_progress.announce(f"{what[0].upper() + what[1:]} ready in {manifest['timings']['total_seconds']:.0f} s: "
                                 f"SFT gold win-rate {manifest['sft_gold_win_rate']:.3f}, reward model held-out "
