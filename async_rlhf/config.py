@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from async_rlhf.config_checks import (ConfigError, check_dir, check_elastic, check_generator_servers,  # noqa: F401
-                                     check_partial_rollouts, check_types)  # (ConfigError: re-exported)
+                                     check_partial_rollouts, check_tail_migration, check_types)  # (ConfigError: re-exported)
 from async_rlhf.trl_fields import apply_trl_fields
 
 GENERATOR_BACKENDS = ("auto", "vllm", "transformers")
@@ -101,6 +101,13 @@ class AsyncRLConfig(TrainingArguments):
                   "'in_flight' (load at once; running samples continue on the new weights, every token keeps the "
                   "version and behaviour log-prob it was sampled with, and the staleness bound applies to the "
                   "oldest token)."},
+    )
+    tail_migration: int = field(
+        default=0,
+        metadata={"help": "With several streaming generators: once at most this many prompt groups of a batch are "
+                  "still generating, spread over several generators, hand them to one of them (each sample continues "
+                  "from its tokens so far, which keep their versions and behaviour log-probs) so that the others "
+                  "serve the next batches alone. 0: off. Needs weight_load 'in_flight'."},
     )
     partial_rollouts: int = field(
         default=0,
@@ -333,6 +340,7 @@ class AsyncRLConfig(TrainingArguments):
                  "generation_mode", "'stream' needs generator_backend='vllm' (transformers samples whole batches)")
         check_generator_servers(self)
         check_partial_rollouts(self)
+        check_tail_migration(self)
         check_elastic(self)
         check_dir("shm_dir", self.shm_dir)
         _require(self.reward_failure in REWARD_FAILURE_POLICIES, "reward_failure",

@@ -227,3 +227,24 @@ def check_generator_servers(config) -> None:
             base_url(address)
         except ValueError as exc:
             raise ConfigError(f"generator_servers: {exc}") from None
+
+
+def check_tail_migration(config) -> None:
+    """A hand-over continues samples on another engine: local streaming vLLM generators that load weights in flight
+    (each token's version is then known wherever it was sampled), at least two of them, none added or retired."""
+    t = config.tail_migration
+    if not isinstance(t, int) or t < 0:
+        raise ConfigError(f"tail_migration: must be an integer >= 0, got {t!r}")
+    if not t:
+        return
+    for ok, what in ((len(config.generator_devices) >= 2, f"at least 2 generator_devices (got "
+                                                          f"{len(config.generator_devices)})"),
+                     (config.generation_mode != "batch" and config.generator_backend != "transformers",
+                      f"streaming generators (got generation_mode={config.generation_mode!r}, "
+                      f"generator_backend={config.generator_backend!r})"),
+                     (config.weight_load == "in_flight", f"weight_load='in_flight' (got {config.weight_load!r})"),
+                     (not config.generator_servers, "local generators (not generator_servers)"),
+                     (not config.generator_autoscale, "a fixed set of generators (not generator_autoscale)"),
+                     (not config.partial_rollouts, "partial_rollouts=0 (the two are not combined yet)")):
+        if not ok:
+            raise ConfigError(f"tail_migration: tail_migration={t} needs {what}")

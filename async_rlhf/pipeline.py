@@ -105,6 +105,7 @@ class RolloutPipeline:
         self._owners: dict[tuple[int, int], list] = {}  # (batch, part) -> [(generator, expected tokens)] per send
         self._load_lock = threading.Lock()  # the three above: dispatch (main thread) and the reader thread
         self.imbalance = ImbalanceTally()  # generator/imbalance: max/mean tokens per generator
+        self.tail = None  # local pools: `generation/tail.py`'s counters
         # per-batch stage timing for the planner (`plan/feedback.py`): dispatch and last part's arrival on rank 0
         self._dispatched_at: dict[int, float] = {}
         self._arrived_at: dict[int, float] = {}
@@ -138,6 +139,7 @@ class RolloutPipeline:
         self.transport, self.pool, self.elastic = make_pool(
             self.args, self._on_rollouts, self.generator_model_path, self.engine_kwargs, initial_version, early,
             self.accelerator.num_processes, self.accelerator.device)
+        self.tail = getattr(self.pool, "tail", None)  # `tail_migration`'s counters, kept after the pool closes
         try:
             self.pool.start()
         except BaseException:
@@ -393,6 +395,8 @@ class RolloutPipeline:
         if self.pool is not None:
             self.busy_seconds = sum(self.pool.acks.busy_seconds.values())
         out["generator/busy_seconds"] = self.busy_seconds
+        if self.tail is not None:
+            out.update(self.tail.stats())
         if self.partial is not None:
             out.update(self.partial.stats())
         if self.scoring is not None:

@@ -59,6 +59,8 @@ def build_summary(pipeline, args, accelerator, steps: int, wall: float, loop_sec
     }
     if p.partial is not None:  # partial rollouts: groups carried across steps, and dropped for staleness
         summary["partial_rollouts"] = {k.split("/")[1]: v for k, v in stats.items() if k.startswith("partial/")}
+    if args.tail_migration:  # requests handed to one generator at a batch's tail (`generation/tail.py`)
+        summary["tail_migration"] = {k.split("/")[1][5:]: v for k, v in stats.items() if k.startswith("generator/tail_")}
     # the simulator fed with this run's stage times: its predicted step time, and a faster set-up if it finds one
     summary["plan"] = feedback(summary, args, accelerator.num_processes)
     return summary

@@ -3,6 +3,7 @@
     python benchmarks/streaming.py --quick       # 6 steps each, about 3 minutes on 2 cores
     python benchmarks/streaming.py --steps 12 --generators 2
     python benchmarks/streaming.py --steps 12 --max_staleness 2 --partial 8
+    python benchmarks/streaming.py --steps 12 --generators 2 --tail 4 --runs batch stream/in_flight tail
 
 The workload: online DPO on the toy task with a tiny random Llama that rarely samples EOS, each prompt with its own
 completion budget drawn from a lognormal (`--lengths MEAN CV`, default 48 and 1.0, capped at `--new_tokens` 224:
@@ -18,6 +19,8 @@ Runs, each the real trainer and pipeline (times are of the training loop; engine
   stream/in_flight    the same, weights loaded between two engine steps (per-token versions)
   partial             stream/in_flight with `partial_rollouts` = `--partial` extra groups in flight (0: not run):
                       a step closes on the first groups to finish, the rest are carried
+  tail                stream/in_flight with `tail_migration` = `--tail` (0: not run; needs --generators 2 or
+                      more): once at most that many groups of a batch are left on several generators, one takes them
 and the ideal: the same prompts and seeds sampled by one in-process engine that never drains and never waits for a
 learner, with as many groups in flight as `max_staleness + 1` steps hold (a group enters the moment another
 leaves), at the initial policy; for the partial run, that many plus `--partial` (its own ideal, `ideal+partial`). Reported: samples/s, learner wait as a fraction of the loop, generator busy fraction (time its
@@ -38,16 +41,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 RUNS = (("batch", "batch", "drain", 0), ("stream/drain", "stream", "drain", 0),
-        ("stream/in_flight", "stream", "in_flight", 0), ("partial", "stream", "in_flight", "partial"))
+        ("stream/in_flight", "stream", "in_flight", 0), ("partial", "stream", "in_flight", "partial"),
+        ("tail", "stream", "in_flight", "tail"))
 
 
-def config(args, out: str, mode: str, weight_load: str, partial: int = 0):
+def config(args, out: str, mode: str, weight_load: str, partial: int = 0, tail: int = 0):
     from async_rlhf import AsyncOnlineDPOConfig
 
     return AsyncOnlineDPOConfig(
         output_dir=out, max_steps=args.steps, per_device_train_batch_size=args.batch, num_generations=2,
         max_new_tokens=args.new_tokens, max_length=args.new_tokens + 32, learning_rate=1e-5, temperature=1.0,
-        max_staleness=args.max_staleness, partial_rollouts=partial, generator_backend="vllm",
+        max_staleness=args.max_staleness, partial_rollouts=partial, tail_migration=tail, generator_backend="vllm",
         generator_devices=["cpu"] * args.generators,
         generator_threads=1, learner_threads=1, generation_mode=mode, weight_load=weight_load,
         logging_steps=1000, save_strategy="no", seed=0, disable_tqdm=True, report_to=[],
@@ -61,13 +65,14 @@ def dataset(args):
     return toy_prompts(512, seed=0, lengths=(mean, cv, args.new_tokens) if mean else None)
 
 
-def run(args, model_dir: str, mode: str, weight_load: str, partial: int) -> dict:
+def run(args, model_dir: str, mode: str, weight_load: str, partial: int, tail: int) -> dict:
     from async_rlhf import AsyncOnlineDPOTrainer
     from async_rlhf.data.toy_task import lowercase_reward
 
     out = tempfile.mkdtemp(prefix=f"bench-stream-{mode}-")
     trainer = AsyncOnlineDPOTrainer(model=model_dir, reward_funcs=lowercase_reward,
-                                    args=config(args, out, mode, weight_load, partial), train_dataset=dataset(args))
+                                    args=config(args, out, mode, weight_load, partial, tail),
+                                    train_dataset=dataset(args))
     trainer.train()
     return trainer.run_summary
 
@@ -138,6 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lengths", type=float, nargs=2, default=[48.0, 1.0], metavar=("MEAN", "CV"))
     p.add_argument("--max_staleness", type=int, default=1)
     p.add_argument("--partial", type=int, default=0, help="partial_rollouts of the partial run (0: no partial run)")
+    p.add_argument("--tail", type=int, default=0, help="tail_migration of the tail run (0: no tail run)")
     p.add_argument("--runs", nargs="+", default=[r[0] for r in RUNS], choices=[r[0] for r in RUNS],
                    help="which runs (batch first: the others are compared with it)")
     p.add_argument("--quick", action="store_true", help="6 steps")
@@ -148,17 +154,20 @@ def main(argv: list[str] | None = None) -> None:
     from async_rlhf.data.tiny_model import save_tiny_model
 
     model_dir = save_tiny_model(tempfile.mkdtemp(prefix="bench-model-"))
-    runs = [(n, m, w, args.partial if p else 0) for n, m, w, p in RUNS
-            if n in args.runs and (not p or args.partial)]
-    results = {name: run(args, model_dir, mode, wl, partial) for name, mode, wl, partial in runs}
+    if args.tail and args.generators < 2:
+        raise SystemExit(f"--tail {args.tail} needs --generators 2 or more (got {args.generators})")
+    extra = {0: 0, "partial": args.partial, "tail": args.tail}
+    runs = [(n, m, w, extra[x] if x == "partial" else 0, extra[x] if x == "tail" else 0) for n, m, w, x in RUNS
+            if n in args.runs and (not x or extra[x])]
+    results = {name: run(args, model_dir, mode, wl, partial, tail) for name, mode, wl, partial, tail in runs}
     window = (args.max_staleness + 1) * args.batch
     best_ideal = ideal(args, model_dir, window)
     ideals = {name: ideal(args, model_dir, window + partial) if partial else best_ideal
-              for name, _, _, partial in runs}
+              for name, _, _, partial, _ in runs}
 
     print(f"\nmachine: {platform.machine()} {os.cpu_count()} cores; {args.steps} steps x {args.batch} prompts x 2 "
           f"samples, max_new_tokens {args.new_tokens}, budgets lognormal mean/cv {args.lengths}, max_staleness "
-          f"{args.max_staleness}, partial_rollouts {args.partial}, "
+          f"{args.max_staleness}, partial_rollouts {args.partial}, tail_migration {args.tail}, "
           f"{args.generators} generator(s)")
     base = None
     print(f"{'run':18} {'samples/s':>9} {'speed-up':>8} {'of ideal':>8} {'wait':>6} {'gen busy':>8} "
@@ -172,6 +181,9 @@ def main(argv: list[str] | None = None) -> None:
         pr = s.get("partial_rollouts")
         pr = (f"  carried {pr['carried']:.0f}, dropped {pr['dropped']:.0f} groups ("
               f"{pr['dropped_tokens'] / (pr['dropped_tokens'] + s['generated_tokens']):.2f} of the tokens)") if pr else ""
+        tm = s.get("tail_migration")
+        pr += (f"  handed over {tm['moved']:.0f} of {tm['handoffs']:.0f} groups asked, {tm['moved_tokens']:.0f} tokens "
+               "kept") if tm else ""
         print(f"{name:18} {rate:9.2f} {rate / base:7.2f}x {rate / ideals[name]:8.2f} "
               f"{s['wait_seconds'] / s['loop_seconds']:6.2f} {busy:8.2f} {imb:>24}{pr}")
     print(f"{'ideal':18} {best_ideal:9.2f} {best_ideal / base:7.2f}x {1.0:8.2f}")

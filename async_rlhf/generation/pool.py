@@ -51,9 +51,10 @@ from typing import Callable
 
 from async_rlhf.generation.pool_protocol import AckTracker, GeneratorFailed
 from async_rlhf.generation.processes import ProcessLauncher, kill_all, see_log, stop_process
+from async_rlhf.generation.tail import TailMigration
 from async_rlhf.generation.worker import GeneratorSpec
 from async_rlhf.staleness_queue import StageTimeout
-from async_rlhf.types import GenerationRequest, RolloutBatch, Shutdown, WeightUpdate
+from async_rlhf.types import GenerationRequest, RolloutBatch, Shutdown, TailHandoff, WeightUpdate
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,7 @@ class GeneratorPool:
         self.restarts = {s.generator_id: 0 for s in self.specs}
         self._in_flight: dict[int, dict[tuple[int, int], GenerationRequest]] = {s.generator_id: {} for s in self.specs}
         self._last_update: WeightUpdate | None = None
+        self.tail = TailMigration(0)  # `tail_migration`: set by `pools.make_pool` before `start`
         self._starting: dict[int, float] = {}  # generator -> time a restart was spawned (until Ready)
         self._errors: dict[int, str] = {}  # generator -> last error reported
         self._lock = threading.Lock()
@@ -276,6 +278,22 @@ class GeneratorPool:
             self._in_flight[generator_id][(request.batch_id, request.chunk)] = request
             self.inboxes[generator_id].put(request)
 
+    # ---- tail migration (reader thread; `tail.py`) --------------------------------------------------------
+    def _hand_over_tail(self, batch_id: int) -> None:
+        with self._lock:
+            for holder, (b, chunk), _ in self.tail.plan(batch_id, self._in_flight, self._starting):
+                self.inboxes[holder].put(TailHandoff(b, chunk))
+
+    def _migrated(self, msg) -> None:
+        """A holder gave a request back mid-way: it goes on on the hand-over's target (in flight there from now)."""
+        key = (msg.request.batch_id, msg.request.chunk)
+        with self._lock:
+            target = self.tail.arrived(key, msg.tokens)
+            if target is None or self._in_flight[msg.generator_id].pop(key, None) is None:
+                return
+            self._in_flight[target][key] = msg.request
+            self.inboxes[target].put(msg.request)
+
     # ---- health --------------------------------------------------------------------------------------
     def check(self) -> None:
         """Restart dead generators; raise if one failed for good or a stage is overdue. Main thread only."""
@@ -351,8 +369,13 @@ class GeneratorPool:
                     if fresh:
                         count, oldest = self.answered.get(msg.generator_id, [0, msg.policy_version])
                         self.answered[msg.generator_id] = [count + 1, min(oldest, msg.policy_version)]
+                        self.tail.answered((msg.batch_id, msg.chunk))
                 if fresh:
                     self.on_rollouts(msg)
+                    self._hand_over_tail(msg.batch_id)
+                continue
+            if msg.kind == "migrated":
+                self._migrated(msg)
                 continue
             if msg.kind == "weights_loaded":
                 self.acks.acknowledged(msg.generator_id, msg.version, msg.seconds, msg.busy_seconds)

@@ -18,6 +18,7 @@ from async_rlhf.generation.elastic import make_elastic
 from async_rlhf.generation.pool import GeneratorPool
 from async_rlhf.generation.pool_protocol import GeneratorPoolProtocol
 from async_rlhf.generation.ray_launcher import make_launcher
+from async_rlhf.generation.tail import TailMigration
 from async_rlhf.generation.worker import generator_spec, generator_specs
 from async_rlhf.types import RolloutBatch
 from async_rlhf.weight_sync import ShmWeightTransport, make_transport
@@ -43,6 +44,7 @@ def make_pool(args, on_rollouts: Callable[[RolloutBatch], None], model_path: str
     pool = adopt_or_close(early_pool, specs, on_rollouts) or GeneratorPool(
         specs, on_rollouts, args.generator_start_timeout, args.weight_sync_timeout, args.generator_max_restarts,
         launcher=make_launcher(args))
+    pool.tail = TailMigration(args.tail_migration)
     elastic = make_elastic(args, pool, learners, lambda i, dev: generator_spec(
         args, model_path, engine_kwargs, initial_version, i, dev))
     return transport, pool, elastic

@@ -12,7 +12,8 @@ parent died (checked every second while idle); an exception leaves them for `wor
   is loaded according to `weight_load`: "drain" waits until every sample already started has finished (they keep
   one version each; requests queued behind the update wait too), "in_flight" loads at once between two engine
   steps (running samples continue on the new weights, recomputed over their context; each token keeps its own
-  version and behaviour log-prob).
+  version and behaviour log-prob). A `TailHandoff` (`tail_migration`) takes a request out of the engine and sends
+  it back as it stands (`Migrated`), to be continued by another generator.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import collections
 import queue
 import time
 
-from async_rlhf.types import RolloutBatch, WeightAck
+from async_rlhf.types import Migrated, RolloutBatch, WeightAck
 
 
 def _load(backend, msg, generator_id: int, outbox, busy_seconds: float) -> int:
@@ -60,7 +61,7 @@ def serve_batches(spec, backend, inbox, outbox, parent) -> bool:
 def serve_stream(spec, backend, inbox, outbox, parent) -> bool:
     from async_rlhf.generation.stream_engine import StreamEngine
 
-    engine = StreamEngine(backend, spec.generator_id)
+    engine = StreamEngine(backend, spec.generator_id, handoffs=spec.handoffs)
     backend.llm.update_weight_version(str(spec.initial_version))  # vLLM labels each token with it
     version = spec.initial_version
     fifo: collections.deque = collections.deque()  # received, not yet served
@@ -83,9 +84,13 @@ def serve_stream(spec, backend, inbox, outbox, parent) -> bool:
                 version = _load(backend, msg, spec.generator_id, outbox, engine.busy_seconds)
             elif msg.kind == "generate":
                 engine.submit(msg, version)
+            elif msg.kind == "handoff":
+                moved = engine.handoff(msg.batch_id, msg.chunk)
+                if moved is not None:  # else it ended first: its rollouts are already on their way
+                    outbox.put(Migrated(spec.generator_id, *moved))
             else:
                 raise ValueError(f"generator {spec.generator_id}: unknown message kind {msg.kind!r}")
             fifo.popleft()
         if engine.busy:
-            for rollouts in engine.step():
+            for rollouts in engine.step(version):
                 outbox.put(rollouts)

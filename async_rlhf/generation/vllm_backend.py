@@ -240,37 +240,47 @@ class LLMClient:
         self.llm.finish_weight_update(weight_version=weight_version)
 
 
-def sampling_params(settings: SamplingSettings, p: int, final_only: bool = False, budget: int | None = None):
+def sampling_params(settings: SamplingSettings, p: int, final_only: bool = False, budget: int | None = None,
+                    delta: bool = False, n: int | None = None, seed: int | None = None):
     """vLLM's parameters for prompt `p` of a request: its n samples are seeded `seed + p*n + i`, and end after `budget`
     tokens (default `settings.max_new_tokens`). `final_only`: the engine reports the request once, finished (what
-    `LLM.generate` sets; `LLMEngine.add_request` does not)."""
+    `LLM.generate` sets; `LLMEngine.add_request` does not); `delta`: every step reports the tokens it added (what a
+    generator that may hand a sample over mid-way needs). `n`, `seed`: one sample of its own (a continued sample)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    extra = {"output_kind": RequestOutputKind.FINAL_ONLY} if final_only else {}
+    extra = {"output_kind": RequestOutputKind.DELTA} if delta else (
+        {"output_kind": RequestOutputKind.FINAL_ONLY} if final_only else {})
+    if seed is None and settings.seed is not None and n is None:
+        seed = settings.seed + p * settings.n
     return SamplingParams(
-        n=settings.n,
+        n=settings.n if n is None else n,
         temperature=settings.temperature,
         top_p=settings.top_p,
         top_k=max(settings.top_k, 0),  # vLLM: 0 disables top-k
         min_p=settings.min_p,
         repetition_penalty=settings.repetition_penalty,  # processed log-probs include both (vllm/v1/sample/sampler.py)
         max_tokens=settings.max_new_tokens if budget is None else budget,
-        seed=None if settings.seed is None else settings.seed + p * settings.n,
+        seed=seed,
         logprobs=0,  # only the sampled token's log-prob
         detokenize=False,  # we hand back token ids; skip the detokenizer
         **extra,
     )
 
 
-def completion_from_vllm(output: CompletionOutput, with_versions: bool = True) -> Completion:
-    """vLLM `CompletionOutput` -> `Completion`; `logprobs` holds one {token: Logprob} dict per sampled token. With
-    `with_versions`, the weight version of each token, from vLLM's spans (labels are our versions: see the module
-    docstring); a completion without tokens gets none."""
+def completion_from_vllm(output: CompletionOutput, with_versions: bool = True,
+                         logprobs: list[float] | None = None) -> Completion:
+    """vLLM `CompletionOutput` -> `Completion`; `logprobs` holds one {token: Logprob} dict per sampled token (or, given
+    as `logprobs`, the sampled tokens' values, gathered step by step). With `with_versions`, the weight version of
+    each token, from vLLM's spans (labels are our versions: see the module docstring); a completion without tokens
+    gets none."""
     if output.finish_reason not in ("stop", "length"):
         raise RuntimeError(f"vLLM finished a sequence with {output.finish_reason!r}")
     token_ids = list(output.token_ids)
-    logprobs = [step[tok].logprob for step, tok in zip(output.logprobs, token_ids, strict=True)]
+    if logprobs is None:
+        logprobs = [step[tok].logprob for step, tok in zip(output.logprobs, token_ids, strict=True)]
+    elif len(logprobs) != len(token_ids):
+        raise RuntimeError(f"{len(logprobs)} log-probs for {len(token_ids)} tokens")
     starts = []
     if with_versions and token_ids:
         spans = output.weight_versions

@@ -52,6 +52,7 @@ class GeneratorSpec:
     log_path: str | None = None  # the process's whole output (see `process_log.py`); None: console only
     streaming: bool = False  # request-level serving (`serve_loops.serve_stream`, vLLM only); else batch-level
     weight_load: str = "drain"  # streaming: "drain" | "in_flight" (see `serve_loops.py`)
+    handoffs: bool = False  # streaming: requests may be handed to another generator mid-way (`tail_migration`)
 
 
 def generator_spec(args, model_path: str, engine_kwargs: dict, initial_version: int, generator_id: int,
@@ -61,7 +62,7 @@ def generator_spec(args, model_path: str, engine_kwargs: dict, initial_version: 
                          device=device, seed=args.seed + generator_id, threads=args.generator_threads,
                          engine_kwargs=engine_kwargs, initial_version=initial_version,
                          log_path=os.path.join(args.output_dir, "logs", f"generator-{generator_id}.log"),
-                         streaming=args.streaming, weight_load=args.weight_load)
+                         streaming=args.streaming, weight_load=args.weight_load, handoffs=args.tail_migration > 0)
 
 
 def generator_specs(args, model_path: str, engine_kwargs: dict, initial_version: int) -> list[GeneratorSpec]:
