@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from async_rlhf.config_checks import (ConfigError, check_dir, check_elastic, check_generator_servers,  # noqa: F401
-                                     check_partial_rollouts, check_tail_migration, check_types)  # (ConfigError: re-exported)
+                                     check_partial_rollouts, check_tail_migration, check_types,  # (ConfigError:
+                                     comma_list)  # re-exported)
 from async_rlhf.trl_fields import apply_trl_fields
 
 GENERATOR_BACKENDS = ("auto", "vllm", "transformers")
@@ -35,19 +36,6 @@ def _cuda_available() -> bool:
 def _require(condition: bool, field_name: str, message: str) -> None:
     if not condition:
         raise ConfigError(f"{field_name}: {message}")
-
-
-def _comma_list(value):
-    """'a,b' or ['a,b'] or ['a', 'b'] -> ['a', 'b'] (list fields accept comma- and space-separated values alike).
-    Anything that is not text is left as it is, for the type check to name."""
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, (list, tuple)):
-        return value
-    out = []
-    for entry in value:
-        out.extend(p.strip() for p in entry.split(",") if p.strip()) if isinstance(entry, str) else out.append(entry)
-    return out
 
 
 @dataclass
@@ -303,10 +291,10 @@ class AsyncRLConfig(TrainingArguments):
     save_strategy: str = "no"
 
     def __post_init__(self):
-        self.generator_devices = _comma_list(self.generator_devices)
-        self.generator_autoscale_devices = _comma_list(self.generator_autoscale_devices)
+        self.generator_devices = comma_list(self.generator_devices)
+        self.generator_autoscale_devices = comma_list(self.generator_autoscale_devices)
         if self.generator_servers is not None:
-            self.generator_servers = _comma_list(self.generator_servers)
+            self.generator_servers = comma_list(self.generator_servers)
         check_types(self)
         apply_trl_fields(self)
         check_types(self)  # again: generation_kwargs may have set sampling fields

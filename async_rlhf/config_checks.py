@@ -248,3 +248,16 @@ def check_tail_migration(config) -> None:
                      (not config.partial_rollouts, "partial_rollouts=0 (the two are not combined yet)")):
         if not ok:
             raise ConfigError(f"tail_migration: tail_migration={t} needs {what}")
+
+
+def comma_list(value):
+    """'a,b' or ['a,b'] or ['a', 'b'] -> ['a', 'b'] (list fields accept comma- and space-separated values alike).
+    Anything that is not text is left as it is, for the type check to name."""
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        return value
+    out = []
+    for entry in value:
+        out.extend(p.strip() for p in entry.split(",") if p.strip()) if isinstance(entry, str) else out.append(entry)
+    return out

@@ -14,7 +14,6 @@ in batches). One generator process per mode: about 20 s each on 2 cores, most of
 from __future__ import annotations
 
 import queue
-import time
 
 import pytest
 import torch
@@ -25,6 +24,7 @@ from async_rlhf.generation.pool import GeneratorPool
 from async_rlhf.generation.worker import GeneratorSpec
 from async_rlhf.types import GenerationRequest, SamplingSettings
 from async_rlhf.weight_sync import ShmWeightTransport
+from pool_answers import Answers
 
 PROMPT = [2, 40, 41, 42]
 LONG = SamplingSettings(max_new_tokens=200, temperature=1.0, n=1, seed=1)  # seed 1: no EOS within 200 under v0
@@ -53,17 +53,8 @@ def test_a_weight_update_meets_a_running_sample(tmp_path, tiny_model_dir, weight
     got: queue.Queue = queue.Queue()
     transport = ShmWeightTransport(str(tmp_path))
     pool = GeneratorPool([spec], got.put, start_timeout=300, weight_sync_timeout=120, max_restarts=0)
-    arrived: dict[int, object] = {}
-
-    def wait_for(done, what: str, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not done():
-            pool.check()
-            try:
-                r = got.get(timeout=0.01)
-                arrived[r.batch_id] = r
-            except queue.Empty:
-                assert time.monotonic() < deadline, f"{what} within {timeout:.0f} s"
+    arrived = Answers(pool, got)  # batch -> its rollouts
+    wait_for = arrived.wait_for
 
     try:
         pool.start()

@@ -1,6 +1,6 @@
 """Tail migration's rule and book-keeping (`generation/tail.py`), joining a sample's two halves
 (`stream_engine.joined`), and the settings it needs. The generators' side runs on real vLLM engines in
-`tests/integration/test_tail_migration.py` and `test_multi_generator.py`."""
+`tests/integration/test_tail_handoff_engines.py` and `test_multi_generator.py`."""
 
 from __future__ import annotations
 
