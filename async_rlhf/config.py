@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from async_rlhf.config_checks import (ConfigError, check_dir, check_elastic, check_generator_servers,  # noqa: F401
-                                     check_partial_rollouts, check_tail_migration, check_types,  # (ConfigError:
-                                     comma_list)  # re-exported)
+                                     check_partial_rollouts, check_tail_migration,  # (ConfigError: re-exported)
+                                     check_train_while_generating, check_types, comma_list)
 from async_rlhf.trl_fields import apply_trl_fields
 
 GENERATOR_BACKENDS = ("auto", "vllm", "transformers")
@@ -126,6 +126,13 @@ class AsyncRLConfig(TrainingArguments):
                   "(fused_reference.py). Not with a LoRA policy (its reference is the policy with adapters off). "
                   "Off by default: on 2 CPU cores it lengthened the learner's wait more than it shortened its step "
                   "(docs/architecture.md, inter-stage fusion)."},
+    )
+    train_while_generating: bool = field(
+        default=False,
+        metadata={"help": "A step's gradient-accumulation micro-batches take its prompt groups in the order they "
+                  "arrive, each micro-batch but the last as soon as its groups have, so the learner's forward and "
+                  "backward run while the rest is generated (arrival_order.py). Needs gradient_accumulation_steps "
+                  ">= 2; not with partial_rollouts."},
     )
     generator_devices: list[str] = field(
         default_factory=lambda: ["cpu"],
@@ -329,6 +336,7 @@ class AsyncRLConfig(TrainingArguments):
         check_generator_servers(self)
         check_partial_rollouts(self)
         check_tail_migration(self)
+        check_train_while_generating(self)
         check_elastic(self)
         check_dir("shm_dir", self.shm_dir)
         _require(self.reward_failure in REWARD_FAILURE_POLICIES, "reward_failure",

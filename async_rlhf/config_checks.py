@@ -250,6 +250,25 @@ def check_tail_migration(config) -> None:
             raise ConfigError(f"tail_migration: tail_migration={t} needs {what}")
 
 
+def check_train_while_generating(config) -> None:
+    """Micro-batches taken in arrival order need more than one of them per step, and batches that are a step's own."""
+    if not config.train_while_generating:
+        return
+    if config.gradient_accumulation_steps < 2:
+        raise ConfigError(
+            f"train_while_generating: needs gradient_accumulation_steps >= 2 (got "
+            f"{config.gradient_accumulation_steps}): a step's micro-batches are what trains while the rest of its batch "
+            f"is generated. Keep the prompts per step and split them, e.g. per_device_train_batch_size "
+            f"{max(1, config.per_device_train_batch_size // 4)} with gradient_accumulation_steps "
+            f"{4 * config.gradient_accumulation_steps}")
+    if config.partial_rollouts:
+        raise ConfigError(f"train_while_generating: not with partial_rollouts={config.partial_rollouts} (a partial "
+                          "step's groups come from several batches; the two are not combined yet)")
+    if getattr(config, "loss_type", None) in ("dapo", "cispo"):
+        raise ConfigError(f"train_while_generating: not with loss_type={config.loss_type!r}, whose denominator is the "
+                          "whole step's token count, unknown while the step's first micro-batches train")
+
+
 def comma_list(value):
     """'a,b' or ['a,b'] or ['a', 'b'] -> ['a', 'b'] (list fields accept comma- and space-separated values alike).
     Anything that is not text is left as it is, for the type check to name."""

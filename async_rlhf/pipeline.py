@@ -9,6 +9,8 @@ Step protocol, per optimizer step b (every learner rank calls both, in this orde
 1. `batch_for_step(b)`: rank 0 waits (at most `rollout_timeout`) for batch b, checks its staleness
    (version >= b - max_staleness, else drops and regenerates it), and broadcasts it to all ranks. With
    `partial_rollouts` the batch is instead the first finished groups within the bound (`partial_rollouts.py`).
+   Trainers ask for it one micro-batch at a time (`micro_batch`), in arrival order with `train_while_generating`
+   (`arrival_order.py`).
 2. After the optimizer step, `after_optimizer_step(model, b + 1)`: every `sync_every` steps the weights are
    gathered (a collective, for sharded learners), published, and queued to every generator; then rank 0
    dispatches every batch that admission now allows (batch c is sent once the queued version >= c - S).
@@ -38,11 +40,13 @@ import threading
 import time
 from typing import Callable
 
+from async_rlhf.arrival_order import ArrivalOrder
 from async_rlhf.generation.assignment import ImbalanceTally, LengthEstimator, assign
 from async_rlhf.generation.pool import GeneratorPool
 from async_rlhf.generation.pool_protocol import GeneratorFailed, GeneratorPoolProtocol
 from async_rlhf.generation.pools import make_pool
 from async_rlhf.partial_rollouts import PartialRollouts, restore_partial
+from async_rlhf.pipeline_records import PipelineRecords
 from async_rlhf.prompt_stream import PromptStream
 from async_rlhf.staleness_queue import StageTimeout, StalenessQueue
 from async_rlhf.types import GenerationRequest, RolloutBatch, SamplingSettings
@@ -55,7 +59,7 @@ from async_rlhf.scoring_stage import ScoringStage
 logger = logging.getLogger(__name__)
 
 
-class RolloutPipeline:
+class RolloutPipeline(PipelineRecords):
     def __init__(self, args, prompt_token_ids: list[list[int]], generator_model_path: str, accelerator,
                  total_steps: int, settings: SamplingSettings, engine_kwargs: dict | None = None,
                  score: list[tuple[str, Callable[[list[RolloutBatch]], list[RolloutBatch]]]] | None = None,
@@ -114,6 +118,10 @@ class RolloutPipeline:
         # partial rollouts (`partial_rollouts.py`): steps gather finished groups of several admitted batches
         self.partial = (PartialRollouts(args.prompts_per_step, args.max_staleness, args.partial_rollouts, self._send)
                         if getattr(args, "partial_rollouts", 0) else None)
+        # train_while_generating (`arrival_order.py`): micro-batches of a step's groups in arrival order
+        self.arrivals = ArrivalOrder(args.max_staleness) if getattr(args, "train_while_generating", False) else None
+        self._step_batch: RolloutBatch | None = None  # the current step's whole batch (see `micro_batch`)
+        self._fused_step = False  # the current step's micro-batches are taken in arrival order
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     def start(self, initial_version: int = 0, pending: list[RolloutBatch] = (), counters: dict | None = None) -> None:
@@ -184,35 +192,82 @@ class RolloutPipeline:
     def batch_for_step(self, step: int) -> RolloutBatch:
         """Batch `step` on every rank. A generator failure or a timeout on rank 0 is raised on every rank (the
         same type and message), so all ranks leave the loop at the same step and can checkpoint together."""
+        return self._on_every_rank(lambda: self._take_batch(step))
+
+    def micro_batch(self, step: int, micro: int, micro_batches: int) -> RolloutBatch:
+        """Micro-batch `micro` of `micro_batches` of step `step`, on every rank: `per_device_train_batch_size` groups
+        per rank, rank r's at rows [r * per, (r + 1) * per). Its slice of the whole batch in prompt order; with
+        `train_while_generating`, the next groups in arrival order, each micro-batch but the last as soon as they
+        have arrived (`arrival_order.py`). After the last one, `trained_batch` is the step's whole batch (rank 0)."""
+        count = self.args.per_device_train_batch_size * self.accelerator.num_processes
+        if self.arrivals is None:  # one broadcast per step, as `batch_for_step`
+            if micro == 0:
+                self._step_batch = self.batch_for_step(step)
+            return self._step_batch.select(list(range(micro * count, (micro + 1) * count)))
+        return self._on_every_rank(lambda: self._take_micro(step, micro, micro_batches, count))
+
+    @property
+    def trained_batch(self) -> RolloutBatch | None:
+        """The whole batch of the step whose micro-batches were taken last (rank 0)."""
+        return self._step_batch
+
+    def _on_every_rank(self, take: Callable[[], RolloutBatch]) -> RolloutBatch:
+        """`take()` on rank 0, its result (or its failure) on every rank."""
         batch, failure = None, None
         if self.is_main:
-            self.total_steps = max(self.total_steps, step + 1)  # the Trainer may run past max_steps (resume)
-            t0 = time.perf_counter()
             try:
-                if self._sync_failure is not None:
-                    raise self._sync_failure
-                while batch is None and self.partial is not None:
-                    self._dispatch()
-                    batch = self.partial.take(step, self.args.rollout_timeout, self._check, self._dispatch)
-                    self.queue.staleness_counts[step - batch.policy_version] += 1
-                while batch is None:
-                    self._dispatch()
-                    batch = self.queue.get(step, learner_version=step, timeout=self.args.rollout_timeout,
-                                           poll=self._check)
-                    if batch is None:  # arrived too stale: regenerate with the current weights
-                        self.regenerated += 1
-                        self._send(step)
-                check_logprobs_finite(batch)
+                batch = take()
             except (GeneratorFailed, StageTimeout, RewardError) as exc:
                 if self.accelerator.num_processes == 1:
                     raise
                 failure = exc
-            else:
-                self.timers["wait"] += time.perf_counter() - t0
-                self.gen_tokens += batch.num_tokens
-                self.gen_seconds += batch.seconds
         if self.accelerator.num_processes > 1:
             batch = share_batch(batch, failure, self.accelerator.device)
+        return batch
+
+    def _take_micro(self, step: int, micro: int, micro_batches: int, count: int) -> RolloutBatch:
+        """Rank 0, `train_while_generating`: micro-batch `micro` of step `step` (see `micro_batch`)."""
+        self.total_steps = max(self.total_steps, step + 1)
+        if micro == 0:  # a batch restored from a checkpoint is whole from the start: prompt order
+            self._fused_step = self.arrivals.has(step) or step not in self.queue
+            self.arrivals.forget_before(step)
+        if not self._fused_step:
+            if micro == 0:
+                self._step_batch = self._take_batch(step)
+            return self._step_batch.select(list(range(micro * count, (micro + 1) * count)))
+        if micro < micro_batches - 1:
+            if self._sync_failure is not None:
+                raise self._sync_failure
+            t0 = time.perf_counter()
+            self._dispatch()
+            part = self.arrivals.take(step, count, self.args.rollout_timeout, self._check)
+            self.timers["wait"] += time.perf_counter() - t0
+            check_logprobs_finite(part)
+            return part
+        self._step_batch = self._take_batch(step)
+        return self.arrivals.rest(self._step_batch)
+
+    def _take_batch(self, step: int) -> RolloutBatch:
+        """Rank 0: wait (at most `rollout_timeout`) for batch `step`, regenerating it if it arrived too stale."""
+        self.total_steps = max(self.total_steps, step + 1)  # the Trainer may run past max_steps (resume)
+        t0 = time.perf_counter()
+        if self._sync_failure is not None:
+            raise self._sync_failure
+        batch = None
+        while batch is None and self.partial is not None:
+            self._dispatch()
+            batch = self.partial.take(step, self.args.rollout_timeout, self._check, self._dispatch)
+            self.queue.staleness_counts[step - batch.policy_version] += 1
+        while batch is None:
+            self._dispatch()
+            batch = self.queue.get(step, learner_version=step, timeout=self.args.rollout_timeout, poll=self._check)
+            if batch is None:  # arrived too stale: regenerate with the current weights
+                self.regenerated += 1
+                self._send(step)
+        check_logprobs_finite(batch)
+        self.timers["wait"] += time.perf_counter() - t0
+        self.gen_tokens += batch.num_tokens
+        self.gen_seconds += batch.seconds
         return batch
 
     def after_optimizer_step(self, model, version: int) -> None:
@@ -335,6 +390,8 @@ class RolloutPipeline:
         if self.partial is not None:
             self.partial.arrived(part)
             return True
+        if self.arrivals is not None:  # before its batch can reach the queue
+            self.arrivals.add(part)
         parts = self._partial.setdefault(part.batch_id, {})
         parts[part.chunk] = part
         if len(parts) < part.num_chunks:
@@ -352,53 +409,3 @@ class RolloutPipeline:
             return True
         self.queue.put(RolloutBatch.merged(part.batch_id, ordered))
         return True
-
-    # ---- checkpoint state ------------------------------------------------------------------------------------
-    def counters(self) -> dict:
-        return {"staleness_counts": {str(k): v for k, v in self.queue.staleness_counts.items()},
-                "dropped": self.queue.dropped, "regenerated": self.regenerated,
-                "sync_bytes": self.sync_bytes, "syncs": self.syncs,
-                **({"partial": self.partial.state()[0]} if self.partial is not None else {})}
-
-    def restore_counters(self, c: dict) -> None:
-        self.queue.staleness_counts.update({int(k): v for k, v in c.get("staleness_counts", {}).items()})
-        self.queue.dropped += c.get("dropped", 0)
-        self.regenerated += c.get("regenerated", 0)
-        self.sync_bytes += c.get("sync_bytes", 0)
-        self.syncs += c.get("syncs", 0)
-
-    # ---- metrics -----------------------------------------------------------------------------------------
-    def stats(self) -> dict[str, float]:
-        """Cumulative pipeline metrics (meaningful on rank 0)."""
-        q = self.queue
-        trained = sum(q.staleness_counts.values())
-        out = {
-            "queue/staleness_mean": (sum(s * c for s, c in q.staleness_counts.items()) / trained) if trained else 0.0,
-            "queue/staleness_max": float(max(q.staleness_counts, default=0)),
-            "queue/dropped": float(q.dropped),
-            "queue/regenerated": float(self.regenerated),
-            "queue/depth": float(len(q)),
-            "generator/tokens_per_s": self.gen_tokens / self.gen_seconds if self.gen_seconds else 0.0,
-            "learner/wait_seconds": self.timers["wait"],
-            "sync/count": float(self.syncs),
-            **self.imbalance.stats(),
-            "sync/bytes": float(self.sync_bytes),
-            "sync/gather_seconds": self.timers["sync_gather"],
-            "sync/transfer_seconds": self.timers["sync_transfer"],
-        }
-        if self.pool is not None:
-            self.load_seconds = sum(self.pool.acks.load_seconds)
-            out["generator/version_loaded"] = float(self.pool.acks.min_loaded_version())
-        if self.transport is not None:
-            out.update(self.transport.stats())
-        out["sync/load_seconds"] = self.load_seconds
-        if self.pool is not None:
-            self.busy_seconds = sum(self.pool.acks.busy_seconds.values())
-        out["generator/busy_seconds"] = self.busy_seconds
-        if self.tail is not None:
-            out.update(self.tail.stats())
-        if self.partial is not None:
-            out.update(self.partial.stats())
-        if self.scoring is not None:
-            out.update(self.scoring.stats())
-        return out

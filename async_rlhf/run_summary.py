@@ -43,6 +43,9 @@ def build_summary(pipeline, args, accelerator, steps: int, wall: float, loop_sec
         "timed_batches": p.latency[2],
         "syncs": p.syncs,
         "scoring_seconds": stats.get("scoring/seconds", 0.0),  # rank 0's scoring thread (score_while_generating)
+        "scoring_hidden_fraction": stats.get("scoring/hidden_fraction"),  # of it, before a batch's last part landed
+        "early_micro_batches": stats.get("learner/early_micro_batches"),  # train_while_generating: trained before
+        # their batch was complete (None: off)
         "completion_length_counts": {int(k): v for k, v in sorted(p.length_counts.items())},
         "generator_imbalance": {k.split("/")[1]: v for k, v in stats.items() if k.startswith("generator/imbalance")},
         "staleness_histogram": {int(k): v for k, v in sorted(p.queue.staleness_counts.items())},

@@ -230,6 +230,19 @@ class RolloutBatch:
                                       for name in parts[0].reward_components} if scored else {},
                    origins=origins or [])
 
+    def select(self, rows: list[int]) -> RolloutBatch:
+        """The prompt groups at `rows`, in that order, with their rewards; the version is the oldest of their tokens'
+        (a part's own `policy_version` where its samples carry no per-token versions)."""
+        completions = [self.completions[r] for r in rows]
+        version = min((c.oldest_version(self.policy_version) for g in completions for c in g),
+                      default=self.policy_version)
+        return dataclasses.replace(
+            self, policy_version=version, prompt_ids=[self.prompt_ids[r] for r in rows],
+            prompt_token_ids=[self.prompt_token_ids[r] for r in rows], completions=completions,
+            rewards=[self.rewards[r] for r in rows] if self.rewards else [],
+            reward_components={k: [v[r] for r in rows] for k, v in self.reward_components.items()},
+            origins=[self.origins[r] for r in rows] if self.origins else [])
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 

@@ -4,6 +4,7 @@
     python benchmarks/streaming.py --steps 12 --generators 2
     python benchmarks/streaming.py --steps 12 --max_staleness 2 --partial 8
     python benchmarks/streaming.py --steps 12 --generators 2 --tail 4 --runs batch stream/in_flight tail
+    python benchmarks/streaming.py --steps 12 --micro_batches 4 --runs batch stream/in_flight fused
 
 The workload: online DPO on the toy task with a tiny random Llama that rarely samples EOS, each prompt with its own
 completion budget drawn from a lognormal (`--lengths MEAN CV`, default 48 and 1.0, capped at `--new_tokens` 224:
@@ -21,11 +22,20 @@ Runs, each the real trainer and pipeline (times are of the training loop; engine
                       a step closes on the first groups to finish, the rest are carried
   tail                stream/in_flight with `tail_migration` = `--tail` (0: not run; needs --generators 2 or
                       more): once at most that many groups of a batch are left on several generators, one takes them
-and the ideal: the same prompts and seeds sampled by one in-process engine that never drains and never waits for a
-learner, with as many groups in flight as `max_staleness + 1` steps hold (a group enters the moment another
-leaves), at the initial policy; for the partial run, that many plus `--partial` (its own ideal, `ideal+partial`). Reported: samples/s, learner wait as a fraction of the loop, generator busy fraction (time its
-engine spent sampling, over the loop), generator imbalance with several
-generators, each run's speed-up over batch-level and its fraction of the ideal (samples/s over the ideal's).
+  fused               stream/in_flight with `train_while_generating` (needs --micro_batches 2 or more): a step's
+                      micro-batches train on its groups as they arrive, all but the last before the batch is whole
+`--micro_batches K` splits every run's step into K gradient-accumulation micro-batches (the same prompts per step).
+
+Two yardsticks, each the same prompts and seeds sampled by one engine in a process of its own (one thread, started
+and warmed up first, untimed), at the initial policy, with no learner:
+  ideal               never drains: as many groups in flight as `max_staleness + 1` steps hold, a group entering the
+                      moment another leaves (for the partial run, that many plus `--partial`: `ideal+partial`);
+  ideal under bound   the same engine under the staleness rule: a group of batch c enters only once every group of
+                      batch c - S - 1 has finished (admission with a learner that takes no time). The gap between
+                      the two is what the bound itself costs; no schedule that keeps it can beat the second.
+Reported: samples/s, learner wait as a fraction of the loop, generator busy fraction (time its engine spent
+sampling, over the loop), scoring time hidden behind generation, generator imbalance with several generators, each
+run's speed-up over batch-level and its fraction of both ideals (samples/s over theirs).
 """
 
 from __future__ import annotations
@@ -42,14 +52,17 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 RUNS = (("batch", "batch", "drain", 0), ("stream/drain", "stream", "drain", 0),
         ("stream/in_flight", "stream", "in_flight", 0), ("partial", "stream", "in_flight", "partial"),
-        ("tail", "stream", "in_flight", "tail"))
+        ("tail", "stream", "in_flight", "tail"), ("fused", "stream", "in_flight", "fused"))
 
 
-def config(args, out: str, mode: str, weight_load: str, partial: int = 0, tail: int = 0):
+def config(args, out: str, mode: str, weight_load: str, partial: int = 0, tail: int = 0, fused: bool = False):
     from async_rlhf import AsyncOnlineDPOConfig
 
+    if args.batch % args.micro_batches:
+        raise SystemExit(f"--micro_batches {args.micro_batches} must divide --batch {args.batch}")
     return AsyncOnlineDPOConfig(
-        output_dir=out, max_steps=args.steps, per_device_train_batch_size=args.batch, num_generations=2,
+        output_dir=out, max_steps=args.steps, per_device_train_batch_size=args.batch // args.micro_batches,
+        gradient_accumulation_steps=args.micro_batches, train_while_generating=fused, num_generations=2,
         max_new_tokens=args.new_tokens, max_length=args.new_tokens + 32, learning_rate=1e-5, temperature=1.0,
         max_staleness=args.max_staleness, partial_rollouts=partial, tail_migration=tail, generator_backend="vllm",
         generator_devices=["cpu"] * args.generators,
@@ -65,19 +78,19 @@ def dataset(args):
     return toy_prompts(512, seed=0, lengths=(mean, cv, args.new_tokens) if mean else None)
 
 
-def run(args, model_dir: str, mode: str, weight_load: str, partial: int, tail: int) -> dict:
+def run(args, model_dir: str, mode: str, weight_load: str, partial: int, tail: int, fused: bool = False) -> dict:
     from async_rlhf import AsyncOnlineDPOTrainer
     from async_rlhf.data.toy_task import lowercase_reward
 
     out = tempfile.mkdtemp(prefix=f"bench-stream-{mode}-")
     trainer = AsyncOnlineDPOTrainer(model=model_dir, reward_funcs=lowercase_reward,
-                                    args=config(args, out, mode, weight_load, partial, tail),
+                                    args=config(args, out, mode, weight_load, partial, tail, fused),
                                     train_dataset=dataset(args))
     trainer.train()
     return trainer.run_summary
 
 
-def ideal(args, model_dir: str, window: int) -> float:
+def ideal(args, model_dir: str, window: int, bound: int | None = None) -> float:
     """Samples/s of one never-draining engine over the runs' prompts and seeds (see the docstring), measured in a
     process of its own with one thread, like a generator process."""
     import concurrent.futures
@@ -85,12 +98,14 @@ def ideal(args, model_dir: str, window: int) -> float:
 
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
-        return pool.submit(_ideal, args, model_dir, window).result()
+        return pool.submit(_ideal, args, model_dir, window, bound).result()
 
 
-def _ideal(args, model_dir: str, window: int) -> float:
-    """`window`: groups in flight."""
+def _ideal(args, model_dir: str, window: int, bound: int | None) -> float:
+    """`window`: groups in flight. `bound` = S: a group of batch c enters only once every group of batch c - S - 1
+    has finished (the admission rule with a learner that takes no time); None: whenever a group leaves."""
     os.environ["OMP_NUM_THREADS"] = "1"  # before torch and vLLM load, as `generation/worker.py` does
+    import collections
     import dataclasses
 
     import torch
@@ -103,6 +118,7 @@ def _ideal(args, model_dir: str, window: int) -> float:
     from async_rlhf.types import GenerationRequest
 
     torch.set_num_threads(1)
+    torch._dynamo.config.disable = True  # as in a CPU generator process (`generation/worker.py`)
     # the trainer only to tokenize the prompts and build the sampling settings exactly as the runs do
     t = AsyncOnlineDPOTrainer(model=model_dir, reward_funcs=lowercase_reward,
                               args=config(args, tempfile.mkdtemp(), "stream", "drain"),
@@ -117,18 +133,27 @@ def _ideal(args, model_dir: str, window: int) -> float:
                                               chunk=j, num_chunks=args.batch,
                                               max_new_tokens=[t.prompt_budgets[pid]] if t.prompt_budgets else []))
     backend = VLLMBackend(model_dir, dtype="float32", max_model_len=args.new_tokens + 32)
-    backend.generate([prompts[0]] * 4, dataclasses.replace(settings, max_new_tokens=16))  # warm-up, untimed
     engine = StreamEngine(backend, 0)
     backend.llm.update_weight_version("0")
-    done, t0 = 0, time.perf_counter()
+    finished = collections.Counter()  # batch -> its groups finished
+
+    def admit() -> None:
+        while pending and in_flight[0] < window:
+            c = pending[-1].batch_id - bound - 1 if bound is not None else -1
+            if c >= 0 and finished[c] < args.batch:
+                return
+            engine.submit(pending.pop(), 0)
+            in_flight[0] += 1
+
+    done, in_flight, t0 = 0, [0], time.perf_counter()
     pending = list(reversed(requests))
-    for _ in range(min(window, len(pending))):
-        engine.submit(pending.pop(), 0)
+    admit()
     while engine.busy:
-        for _ in engine.step():
+        for out in engine.step():
             done += 1
-            if pending:
-                engine.submit(pending.pop(), 0)
+            in_flight[0] -= 1
+            finished[out.batch_id] += 1
+        admit()
     seconds = time.perf_counter() - t0
     backend.close()
     return done * settings.n / seconds
@@ -144,8 +169,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max_staleness", type=int, default=1)
     p.add_argument("--partial", type=int, default=0, help="partial_rollouts of the partial run (0: no partial run)")
     p.add_argument("--tail", type=int, default=0, help="tail_migration of the tail run (0: no tail run)")
+    p.add_argument("--micro_batches", type=int, default=1,
+                   help="gradient_accumulation_steps of every run (each step's prompts split into that many "
+                        "micro-batches); 2 or more adds the fused run")
     p.add_argument("--runs", nargs="+", default=[r[0] for r in RUNS], choices=[r[0] for r in RUNS],
                    help="which runs (batch first: the others are compared with it)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure everything this many times, interleaved; each row is its median round")
     p.add_argument("--quick", action="store_true", help="6 steps")
     args = p.parse_args(argv)
     if args.quick:
@@ -156,43 +186,77 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = save_tiny_model(tempfile.mkdtemp(prefix="bench-model-"))
     if args.tail and args.generators < 2:
         raise SystemExit(f"--tail {args.tail} needs --generators 2 or more (got {args.generators})")
-    extra = {0: 0, "partial": args.partial, "tail": args.tail}
-    runs = [(n, m, w, extra[x] if x == "partial" else 0, extra[x] if x == "tail" else 0) for n, m, w, x in RUNS
-            if n in args.runs and (not x or extra[x])]
-    results = {name: run(args, model_dir, mode, wl, partial, tail) for name, mode, wl, partial, tail in runs}
-    window = (args.max_staleness + 1) * args.batch
-    best_ideal = ideal(args, model_dir, window)
-    ideals = {name: ideal(args, model_dir, window + partial) if partial else best_ideal
-              for name, _, _, partial, _ in runs}
+    extra = {0: 0, "partial": args.partial, "tail": args.tail, "fused": args.micro_batches > 1}
+    runs = [(n, m, w, extra[x] if x == "partial" else 0, extra[x] if x == "tail" else 0, x == "fused")
+            for n, m, w, x in RUNS if n in args.runs and (not x or extra[x])]
+    rounds = []  # each round: every ideal, then every run, so that a drift of the machine's speed hits all alike
+    for _ in range(args.rounds):
+        # the ideals first: the first vLLM engine on a machine compiles kernels (torch inductor, cached on disk,
+        # about 30 s here), which would otherwise land in the first run's loop
+        window = (args.max_staleness + 1) * args.batch
+        ideals = {"ideal": ideal(args, model_dir, window),
+                  "ideal under bound": ideal(args, model_dir, window, bound=args.max_staleness)}
+        if args.partial and "partial" in args.runs:
+            ideals["ideal+partial"] = ideal(args, model_dir, window + args.partial)
+        results = {name: run(args, model_dir, mode, wl, partial, tail, fused)
+                   for name, mode, wl, partial, tail, fused in runs}
+        rounds.append((ideals, results))
+    report(args, rounds)
 
+
+def rate(summary: dict) -> float:
+    return summary["samples"] / summary["loop_seconds"]
+
+
+def report(args, rounds: list[tuple[dict, dict]]) -> None:
+    """One row per run: the round whose samples/s is the median of the rounds (its other columns are that round's);
+    ideals: medians."""
+    import statistics
+
+    ideals = {k: statistics.median(r[0][k] for r in rounds) for k in rounds[0][0]}
+    median_runs = {}
+    for name in rounds[0][1]:
+        ranked = sorted((r[1][name] for r in rounds), key=rate)
+        median_runs[name] = ranked[(len(ranked) - 1) // 2]
     print(f"\nmachine: {platform.machine()} {os.cpu_count()} cores; {args.steps} steps x {args.batch} prompts x 2 "
           f"samples, max_new_tokens {args.new_tokens}, budgets lognormal mean/cv {args.lengths}, max_staleness "
-          f"{args.max_staleness}, partial_rollouts {args.partial}, tail_migration {args.tail}, "
-          f"{args.generators} generator(s)")
+          f"{args.max_staleness}, partial_rollouts {args.partial}, tail_migration {args.tail}, micro-batches "
+          f"{args.micro_batches}, {args.generators} generator(s), {len(rounds)} round(s)")
+    if len(rounds) > 1:
+        print("samples/s per round: " + " | ".join(
+            f"{name} " + " ".join(f"{rate(r[1][name]):.1f}" for r in rounds) for name in median_runs) + " | " +
+            " | ".join(f"{k} " + " ".join(f"{r[0][k]:.1f}" for r in rounds) for k in ideals))
     base = None
-    print(f"{'run':18} {'samples/s':>9} {'speed-up':>8} {'of ideal':>8} {'wait':>6} {'gen busy':>8} "
-          f"{'imbalance (count split)':>24}")
-    for name, s in results.items():
-        rate = s["samples"] / s["loop_seconds"]
-        base = base or rate
+    print(f"{'run':18} {'samples/s':>9} {'speed-up':>8} {'of ideal':>8} {'of bound':>8} {'wait':>6} {'gen busy':>8} "
+          f"{'hidden':>6} {'imbalance (count split)':>24}")
+    for name, s in median_runs.items():
+        r = rate(s)
+        base = base or r
+        own_ideal = ideals["ideal+partial"] if name == "partial" else ideals["ideal"]
         imb = s["generator_imbalance"]
         imb = f"{imb['imbalance']:.2f} ({imb['imbalance_count_split']:.2f})" if imb else ""
         busy = s["generator_busy_seconds"] / (s["generators"] * s["loop_seconds"])
+        hidden = s.get("scoring_hidden_fraction")
+        hidden = f"{hidden:6.2f}" if hidden is not None else f"{'-':>6}"
+        of_bound = f"{r / ideals['ideal under bound']:8.2f}" if name != "partial" else f"{'-':>8}"
         pr = s.get("partial_rollouts")
         pr = (f"  carried {pr['carried']:.0f}, dropped {pr['dropped']:.0f} groups ("
               f"{pr['dropped_tokens'] / (pr['dropped_tokens'] + s['generated_tokens']):.2f} of the tokens)") if pr else ""
+        if s.get("early_micro_batches") is not None:
+            pr += f"  {s['early_micro_batches']:.0f} micro-batches trained before their batch was complete"
         tm = s.get("tail_migration")
         pr += (f"  handed over {tm['moved']:.0f} of {tm['handoffs']:.0f} groups asked, {tm['moved_tokens']:.0f} tokens "
                "kept") if tm else ""
-        print(f"{name:18} {rate:9.2f} {rate / base:7.2f}x {rate / ideals[name]:8.2f} "
-              f"{s['wait_seconds'] / s['loop_seconds']:6.2f} {busy:8.2f} {imb:>24}{pr}")
-    print(f"{'ideal':18} {best_ideal:9.2f} {best_ideal / base:7.2f}x {1.0:8.2f}")
-    if args.partial:
-        print(f"{'ideal+partial':18} {ideals['partial']:9.2f} {ideals['partial'] / base:7.2f}x {1.0:8.2f}")
-    best = max(results, key=lambda k: results[k]["samples"] / results[k]["loop_seconds"])
-    rate = results[best]["samples"] / results[best]["loop_seconds"]
-    print(f"best: {best}; speed-up over batch-level: {rate / base:.2f}x; fraction of the ideal: "
-          f"{rate / ideals[best]:.2f}")
+        print(f"{name:18} {r:9.2f} {r / base:7.2f}x {r / own_ideal:8.2f} {of_bound} "
+              f"{s['wait_seconds'] / s['loop_seconds']:6.2f} {busy:8.2f} {hidden} {imb:>24}{pr}")
+    for k, v in ideals.items():
+        print(f"{k:18} {v:9.2f} {v / base:7.2f}x {v / ideals['ideal']:8.2f}")
+    best = max(median_runs, key=lambda k: rate(median_runs[k]))
+    r = rate(median_runs[best])
+    own_ideal = ideals["ideal+partial"] if best == "partial" else ideals["ideal"]
+    print(f"best: {best}; speed-up over batch-level: {r / base:.2f}x; fraction of the ideal: {r / own_ideal:.2f}"
+          + (f"; fraction of the ideal under the staleness bound: {r / ideals['ideal under bound']:.2f}"
+             if best != "partial" else ""))
 
 
 if __name__ == "__main__":

@@ -123,6 +123,17 @@ class VLLMBackend:
                 vllm_shm_engine.ShmTrainerInitInfo(rank=0), client=self._client)
         else:  # the learner made the IPC handles; we are its client (what IPCTrainerWeightTransferEngine.trainer_init
             self._client.init_weight_transfer_engine({"packed": False})  # sends before its first update)
+        if device == "cpu":
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Sample a few tokens once, untimed by anyone: the explicit `kv_cache_memory_bytes` skips vLLM's own warm-up
+        pass, so on CPU the first `generate` would pay the engine's first-use costs inside the first training step:
+        above all vLLM's `torch.compile` of its token-rank helper (about 4 s with torch inductor's on-disk cache warm,
+        30 s without, on 2 cores), unless the process runs without dynamo, as generator processes do (`worker.py`)."""
+        from async_rlhf.types import SamplingSettings
+
+        self.generate([[1, 2, 3, 4]] * 2, SamplingSettings(max_new_tokens=4, temperature=1.0, n=2, seed=0))
 
     @property
     def llm(self) -> LLM:

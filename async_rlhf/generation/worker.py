@@ -159,6 +159,11 @@ def _serve(spec: GeneratorSpec, inbox, outbox) -> bool:
 
         if device == "cpu":
             torch.set_num_threads(spec.threads)
+            if spec.engine_kwargs.get("enforce_eager", True):
+                # An eager CPU engine compiles one thing: vLLM's token-rank helper (`batched_count_greater_than`, a
+                # `torch.compile` that saves GPU memory), on its first sample: 4 s of every generator's start here,
+                # 30 s on a machine whose inductor cache is cold. Eager, it computes the same counts.
+                torch._dynamo.config.disable = True
         from async_rlhf.generation import load_backend
 
         t0 = time.perf_counter()

@@ -195,20 +195,21 @@ class AsyncTrainerBase(Trainer):
         """This rank's prompts of the current micro-batch, with their completions scored."""
         a = self.args
         step = self.state.global_step
-        first_micro = self._micro == 0
-        if first_micro:
-            self._step_batch = self.pipeline.batch_for_step(step)
-        batch = self._step_batch
+        micro = self._micro
+        self._micro = (micro + 1) % a.gradient_accumulation_steps
+        batch = self.pipeline.micro_batch(step, micro, a.gradient_accumulation_steps)
+        # the step's whole batch: on every rank from its first micro-batch, except with train_while_generating (rank 0,
+        # from its last); GRPO's "dapo" counts its tokens (refused with train_while_generating)
+        self._step_batch = self.pipeline.trained_batch
         per = a.per_device_train_batch_size
-        start = (self._micro * self.accelerator.num_processes + self.accelerator.process_index) * per
-        self._micro = (self._micro + 1) % a.gradient_accumulation_steps
+        start = self.accelerator.process_index * per
         groups, metrics = score_rows(batch, range(start, start + per), self.scorer, self.processing_class,
                                      lambda pid: self.train_dataset[self.prompt_rows[pid]])
         metrics["queue/staleness_of_batch"] = float(step - batch.policy_version)
         for k, v in metrics.items():
             self._metrics[k].append(v)
-        if first_micro and self.accelerator.is_main_process:
-            self._record_trained_batch(step, batch)
+        if self._micro == 0 and self.accelerator.is_main_process:  # the step's last micro-batch: its batch is whole
+            self._record_trained_batch(step, self._step_batch)
         return groups
 
     def _record_trained_batch(self, step: int, batch: RolloutBatch) -> None:
