@@ -129,10 +129,8 @@ class AsyncRLConfig(TrainingArguments):
     )
     train_while_generating: bool = field(
         default=False,
-        metadata={"help": "A step's gradient-accumulation micro-batches take its prompt groups in the order they "
-                  "arrive, each micro-batch but the last as soon as its groups have, so the learner's forward and "
-                  "backward run while the rest is generated (arrival_order.py). Needs gradient_accumulation_steps "
-                  ">= 2; not with partial_rollouts."},
+        metadata={"help": "Train a step's micro-batches on its prompt groups as they arrive, all but the last before "
+                  "the batch is whole (arrival_order.py). Needs gradient_accumulation_steps >= 2."},
     )
     generator_devices: list[str] = field(
         default_factory=lambda: ["cpu"],

@@ -26,9 +26,8 @@ Generation therefore overlaps training by up to `max_staleness` steps and never 
 for a weight *load*: FIFO inboxes guarantee a generator loads version v before it samples any batch dispatched
 after v was queued.
 
-A weight publish that fails on rank 0 (`OSError`: `shm_dir` full, ...) is kept and raised as `GeneratorFailed` by the
-next `batch_for_step`, so that every rank leaves the loop at the same step and the trainer saves its failure
-checkpoint (raising it at once on rank 0 alone would leave the other ranks waiting in a collective).
+A weight publish that fails on rank 0 (`OSError`: `shm_dir` full, ...) is raised as `GeneratorFailed` by the next
+wait for rollouts, so every rank leaves the loop at the same step and the trainer saves its failure checkpoint.
 """
 
 from __future__ import annotations
@@ -208,8 +207,7 @@ class RolloutPipeline(PipelineRecords):
 
     @property
     def trained_batch(self) -> RolloutBatch | None:
-        """The whole batch of the step whose micro-batches were taken last (rank 0)."""
-        return self._step_batch
+        return self._step_batch  # the whole batch of the step whose micro-batches were taken last (rank 0)
 
     def _on_every_rank(self, take: Callable[[], RolloutBatch]) -> RolloutBatch:
         """`take()` on rank 0, its result (or its failure) on every rank."""

@@ -198,8 +198,7 @@ class AsyncTrainerBase(Trainer):
         micro = self._micro
         self._micro = (micro + 1) % a.gradient_accumulation_steps
         batch = self.pipeline.micro_batch(step, micro, a.gradient_accumulation_steps)
-        # the step's whole batch: on every rank from its first micro-batch, except with train_while_generating (rank 0,
-        # from its last); GRPO's "dapo" counts its tokens (refused with train_while_generating)
+        # the step's whole batch (train_while_generating: rank 0, from the last micro-batch); GRPO's "dapo" reads it
         self._step_batch = self.pipeline.trained_batch
         per = a.per_device_train_batch_size
         start = self.accelerator.process_index * per
