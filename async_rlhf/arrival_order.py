@@ -82,7 +82,7 @@ class ArrivalOrder:
                 self._cond.wait(min(left, POLL_SECONDS))
             if poll is not None:
                 poll()
-        micro = RolloutBatch.merged(batch_id, [part.select([row]) for part, row in taken])
+        micro = _merged(batch_id, taken)
         if batch_id - micro.policy_version > self.max_staleness:  # admission makes this impossible: never train it
             raise RuntimeError(f"train_while_generating: a group of batch {batch_id} arrived with version "
                                f"{micro.policy_version}, over max_staleness {self.max_staleness}; admission should "
@@ -95,21 +95,28 @@ class ArrivalOrder:
         """The groups of the complete `batch` (step `batch.batch_id`'s, as the staleness queue gave it) not taken yet,
         in arrival order; forgets the batch."""
         with self._cond:
-            arrived = self._groups.pop(batch.batch_id, [])
-            start = self._taken.pop(batch.batch_id, 0)
-            self._parts.pop(batch.batch_id, None)
-            self._complete.discard(batch.batch_id)
+            arrived, start = self._groups.get(batch.batch_id, []), self._taken.get(batch.batch_id, 0)
+            self._forget(batch.batch_id)
         if len(arrived) != len(batch.prompt_ids):
             raise RuntimeError(f"train_while_generating: step {batch.batch_id} trained {start} of its groups early "
                                f"but its batch came back with {len(batch.prompt_ids)} groups after {len(arrived)} "
                                "arrived (dropped and regenerated?); refusing to train any group twice")
-        return RolloutBatch.merged(batch.batch_id, [part.select([row]) for part, row in arrived[start:]])
+        return _merged(batch.batch_id, arrived[start:])
 
     def forget_before(self, batch_id: int) -> None:
         """Drop what is kept of batches before `batch_id` (steps already trained)."""
         with self._cond:
             for b in [b for b in self._groups if b < batch_id]:
-                del self._groups[b]
-                self._taken.pop(b, None)
-                self._parts.pop(b, None)
-                self._complete.discard(b)
+                self._forget(b)
+
+    def _forget(self, batch_id: int) -> None:
+        """Under the lock: drop everything kept of batch `batch_id`."""
+        self._groups.pop(batch_id, None)
+        self._taken.pop(batch_id, None)
+        self._parts.pop(batch_id, None)
+        self._complete.discard(batch_id)
+
+
+def _merged(batch_id: int, entries: list[tuple[RolloutBatch, int]]) -> RolloutBatch:
+    """One batch of the (part, row) groups `entries`, in that order."""
+    return RolloutBatch.merged(batch_id, [part.select([row]) for part, row in entries])
