@@ -21,6 +21,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Callable
+
 from async_rlhf.errors import FieldError
 
 

@@ -40,10 +40,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     from async_rlhf.data.builtin_task import make_splits
-    from async_rlhf.tasks.build_builtin import prepare_builtin
     from async_rlhf.generation.engine.hf_backend import TransformersSampler
     from async_rlhf.learner.logprobs import completion_batch, shared_prefix_logps, token_logps
     from async_rlhf.scoring.rewards import RewardScorer
+    from async_rlhf.tasks.build_builtin import prepare_builtin
     from async_rlhf.types import SamplingSettings, ScoredGroup
 
     torch.set_num_threads(args.threads)

@@ -65,7 +65,7 @@ def make_sampler(trainer, every: int, path: str):
                     sample = process_sample(proc.pid) if proc.pid else None
                     if sample is not None:
                         rows.append({"process": f"generator {spec.generator_id}", "pid": proc.pid, **sample})
-                extra = {"queue_depth": len(pipeline.queue), "partial_batches": len(pipeline._partial),
+                extra = {"queue_depth": len(pipeline.queue), "partial_batches": len(getattr(pipeline.forming, "_parts", {})),
                          "weight_files": len(os.listdir(pipeline.transport.dir)),
                          "in_flight_requests": sum(len(v) for v in pipeline.pool._in_flight.values()),
                          "pending_acks": pipeline.pool.acks.waiting()}

@@ -104,9 +104,9 @@ def measure(size: str, repeats: int) -> dict:
     import torch
     from safetensors.torch import save_file
 
+    from async_rlhf.data.tiny_model import char_tokenizer, tiny_llama
     from async_rlhf.generation.engine.hf_backend import HFBackend
     from async_rlhf.generation.engine.vllm_backend import VLLMBackend
-    from async_rlhf.data.tiny_model import char_tokenizer, tiny_llama
     from async_rlhf.types import WeightUpdate
 
     hidden, layers, heads = SIZES[size]

@@ -33,8 +33,8 @@ def main(argv: list[str]) -> dict:
     out, settings = parse_args((SFTOutput, SFTSettings), argv)
     from accelerate import Accelerator
 
-    from async_rlhf.tasks.build_builtin import train_sft
     from async_rlhf.data.tokenizer import build_tokenizer
+    from async_rlhf.tasks.build_builtin import train_sft
     from async_rlhf.tasks.evaluation import evaluate_policy
 
     accelerator = Accelerator(cpu=not __import__("torch").cuda.is_available())

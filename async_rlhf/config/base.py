@@ -14,9 +14,17 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from async_rlhf.config.checks import check_dir, check_elastic, check_generator_servers, check_partial_rollouts, check_tail_migration, check_train_while_generating, check_types, comma_list
-from async_rlhf.errors import ConfigError
+from async_rlhf.config.checks import (
+    check_combinations,
+    check_counts,
+    check_dir,
+    check_elastic,
+    check_generator_servers,
+    check_types,
+    comma_list,
+)
 from async_rlhf.config.trl_fields import apply_trl_fields
+from async_rlhf.errors import ConfigError
 
 GENERATOR_BACKENDS = ("auto", "vllm", "transformers")
 GENERATION_MODES = ("auto", "stream", "batch")
@@ -111,12 +119,13 @@ class AsyncRLConfig(TrainingArguments):
                   "token load: each prompt's earlier completion lengths, else the run's mean, counting what each "
                   "generator still has in flight) or 'count' (equal numbers of prompts)."},
     )
-    score_while_generating: bool = field(
-        default=True,
+    score_while_generating: bool | None = field(
+        default=None,
         metadata={"help": "Learner rank 0 scores each part of a batch (a prompt group when streaming) with the reward "
                   "functions as soon as it arrives, while the rest is still being generated (RLHFuse's inter-stage "
-                  "fusion); False: every rank scores its share of the batch inside the training step. Off under "
-                  "DeepSpeed (a partitioned reward model needs every rank for each forward)."},
+                  "fusion); False: every rank scores its share of the batch inside the training step. None (auto): "
+                  "on, except under DeepSpeed, where a partitioned reward model needs every rank for each forward "
+                  "(True there is refused)."},
     )
     reference_while_generating: bool = field(
         default=False,
@@ -124,7 +133,7 @@ class AsyncRLConfig(TrainingArguments):
                   "model's log-probs of each arriving part, and the learner's step skips its reference forward "
                   "(experimental/fused_reference.py). Not with a LoRA policy (its reference is the policy with adapters off). "
                   "Off by default: on 2 CPU cores it lengthened the learner's wait more than it shortened its step "
-                  "(docs/architecture.md, inter-stage fusion)."},
+                  "(docs/performance.md)."},
     )
     train_while_generating: bool = field(
         default=False,
@@ -328,13 +337,10 @@ class AsyncRLConfig(TrainingArguments):
         for name, allowed in (("generation_mode", GENERATION_MODES), ("weight_load", WEIGHT_LOADS),
                               ("generator_assignment", ASSIGNMENTS)):
             _require(getattr(self, name) in allowed, name, f"{getattr(self, name)!r} is not one of {allowed}")
-        _require(self.generation_mode != "stream" or self.generator_backend != "transformers" or self.generator_servers,
-                 "generation_mode", "'stream' needs generator_backend='vllm' (transformers samples whole batches)")
         check_generator_servers(self)
-        check_partial_rollouts(self)
-        check_tail_migration(self)
-        check_train_while_generating(self)
+        check_counts(self)
         check_elastic(self)
+        check_combinations(self)
         check_dir("shm_dir", self.shm_dir)
         _require(self.reward_failure in REWARD_FAILURE_POLICIES, "reward_failure",
                  f"{self.reward_failure!r} is not one of {REWARD_FAILURE_POLICIES}")

@@ -29,7 +29,6 @@ from transformers import TrainingArguments
 
 from async_rlhf.errors import ConfigError
 
-
 # field -> (predicate, what the value must be)
 RANGES = {
     "generator_max_restarts": (lambda v: v >= 0, ">= 0"),
@@ -157,62 +156,21 @@ def check_dir(name: str, path: str, min_free: int = MIN_FREE_BYTES) -> None:
 
 
 def check_elastic(config) -> None:
-    """`generator_launcher` and `generator_autoscale` against the rest: what cannot work is refused before any model
-    loads (Ray missing, nothing to add generators on, generators that are not ours to start or stop)."""
-    launcher, spare = config.generator_launcher, config.generator_autoscale_devices
+    """`generator_launcher`, `generator_autoscale` and their devices, each on its own (combinations: `UNSUPPORTED`)."""
+    launcher = config.generator_launcher
     if launcher not in LAUNCHERS:
         raise ConfigError(f"generator_launcher: {launcher!r} is not one of {LAUNCHERS}")
-    if launcher == "ray":
-        if config.generator_servers:
-            raise ConfigError("generator_launcher: 'ray' starts generators as Ray actors; generator_servers are "
-                              "started by you. Use one or the other.")
-        if not ray_installed():
-            raise ConfigError(f"generator_launcher: 'ray' needs Ray, which is not installed here ({RAY_INSTALL_HINT}), "
-                              "or use the default 'process'")
-    if not config.generator_autoscale:
-        if spare:
-            raise ConfigError(f"generator_autoscale_devices: {spare} given but generator_autoscale is off; pass "
-                              "--generator_autoscale true to let the run add generators on them")
-        return
-    if config.generator_servers:
-        raise ConfigError("generator_autoscale: generator_servers are started and stopped by you, not by the run; "
-                          "autoscaling needs generators the run starts (generator_devices)")
-    if not spare:
-        raise ConfigError("generator_autoscale: no spare device to add a generator on; list them in "
-                          "generator_autoscale_devices (e.g. cuda:6 cuda:7, or cpu for another CPU generator)")
-    for dev in spare:
+    if launcher == "ray" and not ray_installed():
+        raise ConfigError(f"generator_launcher: 'ray' needs Ray, which is not installed here ({RAY_INSTALL_HINT}), "
+                          "or use the default 'process'")
+    for dev in config.generator_autoscale_devices:
         if dev != "cpu" and not (dev.startswith("cuda:") and dev[5:].isdigit()):
             raise ConfigError(f"generator_autoscale_devices: {dev!r} is not 'cpu' or 'cuda:<index>'")
-    gpus = [d for d in [*config.generator_devices, *spare] if d != "cpu"]
-    if launcher != "ray" and len(set(gpus)) < len(gpus):
-        raise ConfigError(f"generator_autoscale_devices: {spare} repeats a GPU of generator_devices "
-                          f"{config.generator_devices} or of itself; each generator needs a GPU of its own")
-    if config.colocate:
-        raise ConfigError("generator_autoscale: not with colocate (colocated generators share the learners' GPUs; "
-                          "autoscaling adds generators on devices of their own)")
-
-
-def check_partial_rollouts(config) -> None:
-    """Groups carried across steps keep generating while weights change: only in-flight loads let them (with
-    'drain' a weight update would wait behind groups that never stop coming), and only streaming generators
-    answer group by group."""
-    p = config.partial_rollouts
-    if not isinstance(p, int) or p < 0:
-        raise ConfigError(f"partial_rollouts: must be an integer >= 0, got {p!r}")
-    if not p:
-        return
-    for ok, what in ((config.max_staleness >= 1, f"max_staleness >= 1 (got {config.max_staleness}: nothing can be "
-                                                 "carried past a step)"),
-                     (config.generation_mode != "batch" and config.generator_backend != "transformers",
-                      f"streaming generators (got generation_mode={config.generation_mode!r}, "
-                      f"generator_backend={config.generator_backend!r})"),
-                     (config.weight_load == "in_flight", f"weight_load='in_flight' (got {config.weight_load!r}: with "
-                                                         "'drain' weights wait for every running group)"),
-                     (not config.generator_servers, "local generators (generator_servers is not supported yet)"),
-                     (not config.generator_autoscale, "a fixed set of generators (generator_autoscale=True is not "
-                                                      "supported with it yet)")):
-        if not ok:
-            raise ConfigError(f"partial_rollouts: partial_rollouts={p} needs {what}")
+    gpus = [d for d in [*config.generator_devices, *config.generator_autoscale_devices] if d != "cpu"]
+    if config.generator_autoscale and launcher != "ray" and len(set(gpus)) < len(gpus):
+        raise ConfigError(f"generator_autoscale_devices: {config.generator_autoscale_devices} repeats a GPU of "
+                          f"generator_devices {config.generator_devices} or of itself; each generator needs a GPU of "
+                          "its own")
 
 
 def check_generator_servers(config) -> None:
@@ -224,44 +182,111 @@ def check_generator_servers(config) -> None:
             raise ConfigError(f"generator_servers: {exc}") from None
 
 
-def check_tail_migration(config) -> None:
-    """A hand-over continues samples on another engine: local streaming vLLM generators that load weights in flight
-    (each token's version is then known wherever it was sampled), at least two of them, none added or retired."""
-    t = config.tail_migration
-    if not isinstance(t, int) or t < 0:
-        raise ConfigError(f"tail_migration: must be an integer >= 0, got {t!r}")
-    if not t:
-        return
-    for ok, what in ((len(config.generator_devices) >= 2, f"at least 2 generator_devices (got "
-                                                          f"{len(config.generator_devices)})"),
-                     (config.generation_mode != "batch" and config.generator_backend != "transformers",
-                      f"streaming generators (got generation_mode={config.generation_mode!r}, "
-                      f"generator_backend={config.generator_backend!r})"),
-                     (config.weight_load == "in_flight", f"weight_load='in_flight' (got {config.weight_load!r})"),
-                     (not config.generator_servers, "local generators (not generator_servers)"),
-                     (not config.generator_autoscale, "a fixed set of generators (not generator_autoscale)"),
-                     (not config.partial_rollouts, "partial_rollouts=0 (the two are not combined yet)")):
-        if not ok:
-            raise ConfigError(f"tail_migration: tail_migration={t} needs {what}")
+def check_counts(config) -> None:
+    """`partial_rollouts` and `tail_migration` are integers >= 0 (0: off)."""
+    for name in ("partial_rollouts", "tail_migration"):
+        value = getattr(config, name)
+        if not isinstance(value, int) or value < 0:
+            raise ConfigError(f"{name}: must be an integer >= 0, got {value!r}")
 
 
-def check_train_while_generating(config) -> None:
-    """Micro-batches taken in arrival order need more than one of them per step, and batches that are a step's own."""
-    if not config.train_while_generating:
-        return
-    if config.gradient_accumulation_steps < 2:
-        raise ConfigError(
-            f"train_while_generating: needs gradient_accumulation_steps >= 2 (got "
-            f"{config.gradient_accumulation_steps}): a step's micro-batches are what trains while the rest of its batch "
-            f"is generated. Keep the prompts per step and split them, e.g. per_device_train_batch_size "
-            f"{max(1, config.per_device_train_batch_size // 4)} with gradient_accumulation_steps "
-            f"{4 * config.gradient_accumulation_steps}")
-    if config.partial_rollouts:
-        raise ConfigError(f"train_while_generating: not with partial_rollouts={config.partial_rollouts} (a partial "
-                          "step's groups come from several batches; the two are not combined yet)")
-    if getattr(config, "loss_type", None) in ("dapo", "cispo"):
-        raise ConfigError(f"train_while_generating: not with loss_type={config.loss_type!r}, whose denominator is the "
-                          "whole step's token count, unknown while the step's first micro-batches train")
+# ---- option combinations ---------------------------------------------------------------------------------------
+# The one rule: a combination that does not work is refused before anything loads, with a message that names both
+# options, what each was set to, and what to change; nothing is switched off silently. Each row: (option, the
+# setting it cannot go with, clash(config) -> True when asked for, why, what to change (text, or a function of the
+# config)). Rows whose `with` is a
+# learner setting (DeepSpeed, LoRA) are checked by the trainer, which knows them (`LEARNER_UNSUPPORTED`).
+
+def _streams(c) -> bool:
+    return c.generation_mode != "batch" and c.generator_backend != "transformers"
+
+
+def _value(config, name: str) -> str:
+    return repr(getattr(config, name)) if hasattr(config, name) else "set"
+
+
+UNSUPPORTED = [
+    ("generation_mode", "generator_backend",
+     lambda c: c.generation_mode == "stream" and c.generator_backend == "transformers" and not c.generator_servers,
+     "'stream' needs vLLM (transformers samples whole batches)",
+     "use generator_backend='vllm' or generation_mode='batch'"),
+    ("partial_rollouts", "max_staleness", lambda c: c.partial_rollouts and c.max_staleness < 1,
+     "nothing can be carried past a step at max_staleness 0", "set max_staleness >= 1"),
+    ("partial_rollouts", "generation_mode", lambda c: c.partial_rollouts and not _streams(c),
+     "only streaming generators answer group by group",
+     "use generation_mode='stream' with generator_backend='vllm'"),
+    ("partial_rollouts", "weight_load", lambda c: c.partial_rollouts and c.weight_load != "in_flight",
+     "with 'drain' a weight update waits behind groups that never stop coming", "use weight_load='in_flight'"),
+    ("partial_rollouts", "generator_servers", lambda c: c.partial_rollouts and c.generator_servers,
+     "not built for servers yet", "use local generators (generator_devices) or partial_rollouts=0"),
+    ("partial_rollouts", "generator_autoscale", lambda c: c.partial_rollouts and c.generator_autoscale,
+     "the two are not combined yet", "turn one of them off"),
+    ("tail_migration", "generator_devices", lambda c: c.tail_migration and len(c.generator_devices) < 2,
+     "a hand-over needs at least two generators", "list 2 or more generator_devices, or tail_migration=0"),
+    ("tail_migration", "generation_mode", lambda c: c.tail_migration and not _streams(c),
+     "only streaming vLLM generators hand samples over", "use generation_mode='stream' with generator_backend='vllm'"),
+    ("tail_migration", "weight_load", lambda c: c.tail_migration and c.weight_load != "in_flight",
+     "each moved token keeps its version only with in-flight loads", "use weight_load='in_flight'"),
+    ("tail_migration", "generator_servers", lambda c: c.tail_migration and c.generator_servers,
+     "hand-overs are between the run's own generator processes", "use local generators or tail_migration=0"),
+    ("tail_migration", "generator_autoscale", lambda c: c.tail_migration and c.generator_autoscale,
+     "a run has one generator schedule", "turn one of them off"),
+    ("tail_migration", "partial_rollouts", lambda c: c.tail_migration and c.partial_rollouts,
+     "the two are not combined yet", "turn one of them off"),
+    ("train_while_generating", "gradient_accumulation_steps",
+     lambda c: c.train_while_generating and c.gradient_accumulation_steps < 2,
+     "a step's micro-batches are what trains while the rest of its batch is generated",
+     lambda c: (f"keep the prompts per step and split them, e.g. per_device_train_batch_size "
+                f"{max(1, c.per_device_train_batch_size // 4)} with gradient_accumulation_steps "
+                f"{4 * c.gradient_accumulation_steps}")),
+    ("train_while_generating", "partial_rollouts", lambda c: c.train_while_generating and c.partial_rollouts,
+     "a run has one batch schedule", "turn one of them off"),
+    ("train_while_generating", "loss_type",
+     lambda c: c.train_while_generating and getattr(c, "loss_type", None) in ("dapo", "cispo"),
+     "its denominator is the whole step's token count, unknown while the first micro-batches train",
+     "use loss_type 'grpo', 'bnpo' or 'dr_grpo', or train_while_generating=False"),
+    ("generator_launcher", "generator_servers", lambda c: c.generator_launcher == "ray" and c.generator_servers,
+     "'ray' starts generators as Ray actors; servers are started by you", "use one or the other"),
+    ("generator_autoscale", "generator_servers", lambda c: c.generator_autoscale and c.generator_servers,
+     "servers are started and stopped by you, not by the run", "use generator_devices, or generator_autoscale=False"),
+    ("generator_autoscale", "generator_autoscale_devices",
+     lambda c: bool(c.generator_autoscale) != bool(c.generator_autoscale_devices),
+     "spare devices are what autoscaling adds generators on",
+     "give both (e.g. --generator_autoscale true --generator_autoscale_devices cpu) or neither"),
+    ("generator_autoscale", "colocate", lambda c: c.generator_autoscale and c.colocate,
+     "colocated generators share the learners' GPUs", "use generator devices of their own, or colocate=False"),
+    ("reference_while_generating", "score_while_generating",
+     lambda c: c.reference_while_generating and c.score_while_generating is False,
+     "the reference runs on the thread that scores parts as they arrive", "set score_while_generating=True"),
+]
+
+# learner settings the config cannot see: (option, learner setting, clash(config, deepspeed, lora), why, change)
+LEARNER_UNSUPPORTED = [
+    ("score_while_generating", "DeepSpeed", lambda c, ds, lora: ds and c.score_while_generating,
+     "a partitioned reward model needs every rank for each forward", "leave score_while_generating unset (auto)"),
+    ("reference_while_generating", "DeepSpeed", lambda c, ds, lora: ds and c.reference_while_generating,
+     "it runs on rank 0's scoring thread, which DeepSpeed learners do not have",
+     "set reference_while_generating=False"),
+    ("reference_while_generating", "a LoRA policy", lambda c, ds, lora: lora and c.reference_while_generating,
+     "a LoRA policy's reference is the policy with adapters off, not a frozen model",
+     "set reference_while_generating=False"),
+]
+
+
+def check_combinations(config) -> None:
+    """Refuse the first combination of `UNSUPPORTED` the config asks for (see the table's comment)."""
+    for option, other, clash, why, change in UNSUPPORTED:
+        if clash(config):
+            change = change(config) if callable(change) else change
+            raise ConfigError(f"{option}={_value(config, option)} cannot go with {other}={_value(config, other)}: "
+                              f"{why}; {change}")
+
+
+def check_learner_combinations(config, deepspeed: bool, lora: bool) -> None:
+    """`LEARNER_UNSUPPORTED`, checked by the trainer before it loads or starts anything of its own."""
+    for option, other, clash, why, change in LEARNER_UNSUPPORTED:
+        if clash(config, deepspeed, lora):
+            raise ConfigError(f"{option}={_value(config, option)} cannot go with {other}: {why}; {change}")
 
 
 def comma_list(value):

@@ -16,7 +16,6 @@ from transformers import HfArgumentParser
 
 from async_rlhf.errors import ConfigError
 
-
 RECIPE_DEFAULTS = {"generator_early_start": True}
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+
 from async_rlhf.errors import DatasetError
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ CHAT_TEMPLATE = (
 
 def char_tokenizer() -> PreTrainedTokenizerFast:
     """A character-level tokenizer over printable ASCII with pad/eos/bos and a chat template, built locally."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
     vocab = {tok: i for i, tok in enumerate(specials + list(string.printable))}

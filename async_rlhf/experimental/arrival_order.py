@@ -19,6 +19,9 @@ What it changes and what it does not:
   runs of the same samples. A batch restored from a checkpoint is complete from the start and is split in prompt
   order.
 
+`ArrivalOrderBatches` is the batch schedule (`pipeline/batch_forming.py`) that forms the micro-batches;
+`ArrivalOrder` keeps each batch's groups in arrival order.
+
 Threads: `add` runs on the reader or scoring thread (whichever assembles parts), before the part's batch can reach
 the staleness queue; `take`, `rest` and `has` run on rank 0's main thread.
 """
@@ -30,6 +33,8 @@ import time
 from typing import Callable
 
 from async_rlhf.errors import StageTimeout
+from async_rlhf.pipeline.batch_forming import WholeBatches
+from async_rlhf.pipeline.rank_share import check_logprobs_finite
 from async_rlhf.types import RolloutBatch
 
 POLL_SECONDS = 1.0  # liveness checks while a micro-batch waits for its groups
@@ -120,3 +125,39 @@ class ArrivalOrder:
 def _merged(batch_id: int, entries: list[tuple[RolloutBatch, int]]) -> RolloutBatch:
     """One batch of the (part, row) groups `entries`, in that order."""
     return RolloutBatch.merged(batch_id, [part.select([row]) for part, row in entries])
+
+
+class ArrivalOrderBatches(WholeBatches):
+    """Whole batches whose micro-batches (but the last) are taken in arrival order (see the module docstring)."""
+
+    per_micro_batch = True
+
+    def __init__(self, owner):
+        super().__init__(owner)
+        self.arrivals = ArrivalOrder(owner.args.max_staleness)
+        self._fused_step = False  # the current step's micro-batches are taken in arrival order
+
+    def arrived(self, part: RolloutBatch) -> bool:
+        self.arrivals.add(part)  # before its batch can reach the queue
+        return super().arrived(part)
+
+    def take_micro(self, step: int, micro: int, micro_batches: int, count: int) -> RolloutBatch:
+        p = self.p
+        if micro == 0:  # a batch restored from a checkpoint is whole from the start: prompt order
+            self._fused_step = self.arrivals.has(step) or step not in p.queue
+            self.arrivals.forget_before(step)
+        if not self._fused_step:
+            if micro == 0:
+                p.take_whole(step)
+            return p.trained_batch.select(list(range(micro * count, (micro + 1) * count)))
+        if micro < micro_batches - 1:
+            t0 = time.perf_counter()
+            self.dispatch()
+            part = self.arrivals.take(step, count, p.args.rollout_timeout, p.check)
+            p.records.timers["wait"] += time.perf_counter() - t0
+            check_logprobs_finite(part)
+            return part
+        return self.arrivals.rest(p.take_whole(step))
+
+    def stats(self) -> dict[str, float]:
+        return {"learner/early_micro_batches": float(self.arrivals.early)}

@@ -4,7 +4,7 @@ functions of what rank 0 measured over a window of steps. `experimental/elastic.
 What a window holds (`Window`): its steps, its wall time T per step on learner rank 0, the learner's wait W per step
 (in `batch_for_step`), the generators' sampling time B per step summed over the k generators that ran it (their
 `busy_seconds`, acknowledged with each weight load). The learner's own time per step is then T - W, and a batch's
-generation latency with k generators is g(k) = B / k (every batch is split over all of them, `pipeline._send`).
+generation latency with k generators is g(k) = B / k (every batch is split over all of them, `RolloutPipeline.send`).
 
 Predicted wait with k' generators: W(k') = max(0, W + g(k') - g(k) - slack). The latency a change saves or adds
 moves the wait one for one, except for the slack that overlap gives: none at max_staleness 0 (generation and

@@ -1,9 +1,9 @@
 """Elastic generators at run time (`generator_autoscale`): measure, decide, add or retire. Lives on learner rank 0.
 
 `ElasticGenerators.after_step` is called by the pipeline on rank 0's main thread after each optimizer step (so the
-processes it starts are tied to the main thread, as `pool.py` requires). It measures windows of
+processes it starts are tied to the main thread, as `generation/pool/local.py` requires). It measures windows of
 `generator_autoscale_window` steps (wall time, the learner's wait, the generators' sampling time), hands each to
-`autoscale.decide` (the cost rule; after an addition, with the window that decided it, so that an addition that
+`autoscale_rule.decide` (the cost rule; after an addition, with the window that decided it, so that an addition that
 did not pay is undone, and that many generators not tried again until the cost grows past what they measured),
 and applies the decision to the pool: `add_generator` on the first free spare device, or
 `retire_generator` on the newest generator. A window starts only once the pool has settled (no generator
@@ -27,11 +27,15 @@ from typing import Callable
 
 from async_rlhf.experimental.autoscale_rule import AutoscaleRule, Window, decide
 from async_rlhf.generation.engine.worker import GeneratorSpec
+from async_rlhf.generation.pool.scheduling import FixedGenerators
 
 logger = logging.getLogger(__name__)
 
 
-class ElasticGenerators:
+class ElasticGenerators(FixedGenerators):
+    """`generator_autoscale` as a `generation/pool/scheduling.py` schedule: after each optimizer step, measure a
+    window, then add or retire a generator as the rule decides."""
+
     def __init__(self, pool, rule: AutoscaleRule, window: int, devices: list[str], spare: list[str],
                  new_spec: Callable[[int, str], GeneratorSpec], record_path: str | None = None):
         """`devices`: the device of each generator the pool started with (by id); `spare`: the devices it may add
@@ -111,10 +115,8 @@ class ElasticGenerators:
                 "answered": {str(g): v for g, v in sorted(self.pool.answered.items())}}
 
 
-def make_elastic(args, pool, learners: int, new_spec: Callable[[int, str], GeneratorSpec]):
-    """The controller `args.generator_autoscale` asks for (None when off); `learners`: learner processes."""
-    if not args.generator_autoscale:
-        return None
+def make_elastic(args, pool, learners: int, new_spec: Callable[[int, str], GeneratorSpec]) -> ElasticGenerators:
+    """The controller `args.generator_autoscale` asks for; `learners`: learner processes."""
     rule = AutoscaleRule(learners=learners, max_staleness=args.max_staleness,
                          generator_cost=args.generator_autoscale_cost,
                          wait_threshold=args.generator_autoscale_wait, idle_threshold=args.generator_autoscale_idle)

@@ -6,7 +6,7 @@ rewards). The learner's step then skips its reference forward (`logprobs.sequenc
 
 Equal to the step's own: the same function computes both (`logprobs.reference_token_logps`, with the same
 packing, `max_length`, temperature and shared prefix); a row's log-probs do not depend on which other rows share its
-forward (right padding, causal attention), so only float rounding differs (tests/unit/test_fused_reference.py).
+forward (right padding, causal attention), so only float rounding differs (tests/unit/experimental/test_fused_reference.py).
 Every completion of a part is run, since the scoring thread cannot know which rows a loss will select (online DPO's
 chosen and rejected ones): with n = 2 that is the same rows as the step ran.
 

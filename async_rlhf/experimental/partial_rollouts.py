@@ -1,6 +1,7 @@
 """Partial rollouts (APRIL, arXiv 2509.18521): over-provision prompt groups, close a step as soon as enough of them
-have finished, and carry the unfinished ones into later steps. Lives on learner rank 0, inside `RolloutPipeline`,
-which routes dispatch, arriving groups and `batch_for_step` here when `partial_rollouts > 0`.
+have finished, and carry the unfinished ones into later steps. Lives on learner rank 0: `PartialBatches` is the
+batch schedule (`pipeline/batch_forming.py`) that routes dispatch, arriving groups and `batch_for_step` here when
+`partial_rollouts > 0`.
 
 Groups. The prompt stream is read group by group: group (b, j) is prompt j of `PromptStream.prompts_for_step(b)`,
 sampled with that pair's seeds, exactly as when batch b is streamed whole. Groups are sent in stream order while
@@ -204,3 +205,43 @@ def restore_partial(partial: PartialRollouts | None, setting: int, version: int,
             partial.restore(state, pending, version)
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"resume_from_checkpoint: partial rollouts' state is malformed: {exc}") from exc
+
+
+class PartialBatches:
+    """Partial rollouts as a batch schedule (`pipeline/batch_forming.py`): dispatch, arriving groups and each step's
+    batch go to `PartialRollouts`; the pipeline (`owner`) sends, checks liveness and counts staleness."""
+
+    per_micro_batch = False
+
+    def __init__(self, owner):
+        args = owner.args
+        self.p = owner
+        self.partial = PartialRollouts(args.prompts_per_step, args.max_staleness, args.partial_rollouts, owner.send)
+
+    def restore(self, version: int, pending: list[RolloutBatch], counters: dict) -> None:
+        restore_partial(self.partial, self.p.args.partial_rollouts, version, pending, counters)
+
+    def counters(self) -> dict:
+        return {"partial": self.partial.state()[0]}
+
+    def pending(self, step: int) -> list[RolloutBatch]:
+        return self.partial.state()[1]  # finished, untrained groups
+
+    def dispatch(self) -> None:
+        self.partial.dispatch(self.p.queued_version, self.p.total_steps)
+
+    def take(self, step: int) -> RolloutBatch:
+        self.dispatch()
+        batch = self.partial.take(step, self.p.args.rollout_timeout, self.p.check, self.dispatch)
+        self.p.queue.staleness_counts[step - batch.policy_version] += 1
+        return batch
+
+    def take_micro(self, step: int, micro: int, micro_batches: int, count: int) -> RolloutBatch:
+        raise NotImplementedError("partial rollouts' batches are sliced by the pipeline (per_micro_batch is False)")
+
+    def arrived(self, part: RolloutBatch) -> bool:
+        self.partial.arrived(part)
+        return True  # each group stands alone, waiting for a step to take it
+
+    def stats(self) -> dict[str, float]:
+        return self.partial.stats()

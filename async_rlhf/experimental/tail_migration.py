@@ -2,7 +2,7 @@
 few prompt groups of a batch are still generating and they are spread over several generators, hand them all to one
 of them, so that the others serve the next admitted batches alone rather than keeping a few long samples each.
 
-This module decides and keeps the book; `pool.GeneratorPool` carries it out under its lock, and the generators do
+This module decides and keeps the book (a `generation/pool/scheduling.py` schedule); `GeneratorPool` carries it out under its lock, and the generators do
 the moving (`stream_engine.StreamEngine.handoff`, then `submit` of the returned request on the target):
 1. when an answer leaves at most `threshold` requests of its batch in flight on at least two generators, the target
    is the generator holding most of them (ties: the lowest id), and each other holder gets a `TailHandoff`;
@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import collections
 
+from async_rlhf.generation.pool.scheduling import FixedGenerators
 
-class TailMigration:
-    """The hand-over rule and its counters. Not thread-safe: the pool calls it under its lock."""
+
+class TailMigration(FixedGenerators):
+    """The hand-over rule and its counters (a `GeneratorScheduling`). Not thread-safe: the pool calls it under its
+    lock."""
 
     def __init__(self, threshold: int):
         self.threshold = threshold
@@ -30,7 +33,7 @@ class TailMigration:
         self.moved = 0  # requests moved
         self.moved_tokens = 0  # tokens their samples had when moved (kept, not sampled again)
 
-    def plan(self, batch_id: int, in_flight: dict[int, dict], starting) -> list[tuple[int, tuple[int, int], int]]:
+    def plan_handoffs(self, batch_id: int, in_flight: dict[int, dict], starting) -> list[tuple[int, tuple[int, int], int]]:
         """(holder, request key, target) for each request of `batch_id` to hand over now; [] if none.
         `in_flight`: generator -> {(batch, chunk): request}; `starting`: generators restarting (left alone)."""
         if not self.threshold or batch_id in self._done:
@@ -47,7 +50,7 @@ class TailMigration:
         self.handoffs += len(moves)
         return moves
 
-    def arrived(self, key: tuple[int, int], tokens: int) -> int | None:
+    def handoff_arrived(self, key: tuple[int, int], tokens: int) -> int | None:
         """A holder's `Migrated` for request `key`: its target, or None if the hand-over is no longer expected."""
         target = self._pending.pop(key, None)
         if target is not None:

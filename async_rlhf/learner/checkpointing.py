@@ -23,8 +23,8 @@ import os
 import re
 import stat
 
-from async_rlhf.types import RolloutBatch
 from async_rlhf.errors import CheckpointError
+from async_rlhf.types import RolloutBatch
 
 PIPELINE_FILE = "async_rlhf_pipeline.json"
 COMPLETE_MARKER = "async_rlhf_complete.json"

@@ -179,7 +179,7 @@ def sequence_terms(model, ref_model, groups: list[ScoredGroup], *, pad_id: int, 
     below apply. `shared_prefix`: the reference runs each group's prompt once (`shared_prefix_logps`).
     `policy_shared_prefix`: so does the policy, with gradient (worth it when groups give several rows, as online
     DPO's chosen and rejected rows do). Either falls back to the padded forward when a row is cut to `max_length`.
-    Every way gives the same log-probs within float tolerance (tests/unit/test_shared_prefix.py).
+    Every way gives the same log-probs within float tolerance (tests/unit/learner/test_shared_prefix.py).
 
     `fused_temperature`: the temperature at which learner rank 0's scoring thread computed the reference log-probs
     that the completions carry (`Completion.ref_logprobs`, `experimental/fused_reference.py`); when it is `temperature` and every
@@ -241,7 +241,7 @@ def shared_prefix_token_logps(model, groups: list[ScoredGroup], select, mask: to
                               temperature: float = 1.0, drift_temperature: float | None = None):
     """Log-probs of the rows `select` with each group's prompt run once: the prompts go through `model` as one
     left-padded batch, their key/value cache is expanded to the rows that continue them, and the completions run on
-    top of it. Equal to `token_logps` on the packed rows within float tolerance (tests/unit/test_shared_prefix.py);
+    top of it. Equal to `token_logps` on the packed rows within float tolerance (tests/unit/learner/test_shared_prefix.py);
     the prompt's forward is paid once per group, not once per sample. Gradients flow when enabled (through the
     expanded cache, into the prompt's forward once per group).
 

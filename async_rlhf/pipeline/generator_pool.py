@@ -4,7 +4,7 @@ weight acknowledgements that every pool shares.
 A pool lives on learner rank 0 and is driven by `pipeline/rollout_pipeline.py` from the main thread (`start`, `send_request`,
 `send_weights`, `check`, `close`), while a reader thread of the pool's own hands finished rollouts to the
 `on_rollouts` callback it was built with. Two pools implement it: `GeneratorPool` (generator processes on this
-machine, `pool.py`) and `HTTPGeneratorPool` (vLLM servers started separately, `http_pool.py`; its "reader" is an
+machine, `generation/pool/local.py`) and `HTTPGeneratorPool` (vLLM servers started separately, `generation/pool/http_pool.py`; its "reader" is an
 event-loop thread).
 
 Guarantees every pool gives the pipeline:
@@ -25,8 +25,7 @@ import time
 from typing import Callable, Protocol
 
 from async_rlhf.errors import StageTimeout
-from async_rlhf.types import GenerationRequest, WeightUpdate
-from async_rlhf.errors import GeneratorFailed
+from async_rlhf.types import GenerationRequest, RolloutBatch, WeightUpdate
 
 
 class GeneratorPoolProtocol(Protocol):
@@ -48,6 +47,31 @@ class GeneratorPoolProtocol(Protocol):
     def begin_stop(self) -> None: ...
 
     def close(self, timeout: float = 20.0) -> None: ...
+
+
+Handoff = tuple[int, tuple[int, int], int]  # (holder, (batch, chunk), target)
+
+
+class GeneratorScheduling(Protocol):
+    """How a run's generators are scheduled beyond sending each request to one of them: hand-overs of requests
+    between generators, generators added or retired. The default and who calls what: `generation/pool/scheduling.py`."""
+
+    def plan_handoffs(self, batch_id: int, in_flight: dict[int, dict], starting) -> list[Handoff]: ...
+
+    def handoff_arrived(self, key: tuple[int, int], tokens: int) -> int | None: ...
+
+    def answered(self, key: tuple[int, int]) -> None: ...
+
+    def after_step(self, step: int, wait_seconds: float, queued_version: int) -> None: ...
+
+    def stats(self) -> dict[str, float]: ...
+
+    def summary(self) -> dict: ...
+
+
+# (on_rollouts, initial_version) -> (weight transport, pool not started yet, generator schedule): built by the trainer
+# from `generation/pool/choice.make_pool`, so that the pipeline never imports the pools it drives
+MakePool = Callable[[Callable[[RolloutBatch], None], int], tuple[object, GeneratorPoolProtocol, GeneratorScheduling]]
 
 
 class AckTracker:

@@ -12,9 +12,7 @@ import json
 
 import torch
 
-from async_rlhf.errors import GeneratorFailed
-from async_rlhf.errors import RewardError
-from async_rlhf.errors import StageTimeout
+from async_rlhf.errors import GeneratorFailed, RewardError, StageTimeout
 from async_rlhf.types import RolloutBatch
 
 FAILURES = {cls.__name__: cls for cls in (GeneratorFailed, StageTimeout, RewardError)}

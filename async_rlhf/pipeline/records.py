@@ -1,36 +1,98 @@
-"""What the rollout pipeline checkpoints and reports: its counters (saved in `async_rlhf_pipeline.json` and restored on
-resume) and its cumulative metrics (`queue/*`, `generator/*`, `sync/*`, `learner/*`, read by the trainer's logs and
-the run summary). A mixin of `RolloutPipeline` (`pipeline/rollout_pipeline.py`), which owns the state it reads."""
+"""What the rollout pipeline records: its counters (saved in `async_rlhf_pipeline.json` and restored on resume), its
+cumulative metrics (`queue/*`, `generator/*`, `sync/*`, `learner/*`, read by the trainer's logs and the run summary)
+and the per-batch stage times the planner's feedback reads (`plan/feedback.py`).
+
+One `PipelineRecords` per pipeline, on learner rank 0 (other ranks hold one that stays empty). Threads: the main
+thread writes the step and sync counters; the reader thread (or scoring thread) calls `part_arrived` and
+`batch_assembled`, which take the record's own lock."""
 
 from __future__ import annotations
 
+import collections
+import threading
+import time
+
+from async_rlhf.pipeline.assignment import ImbalanceTally
+from async_rlhf.types import RolloutBatch
+
 
 class PipelineRecords:
-    # ---- checkpoint state ------------------------------------------------------------------------------------
-    def counters(self) -> dict:
-        return {"staleness_counts": {str(k): v for k, v in self.queue.staleness_counts.items()},
-                "dropped": self.queue.dropped, "regenerated": self.regenerated,
-                "sync_bytes": self.sync_bytes, "syncs": self.syncs,
-                **({"partial": self.partial.state()[0]} if self.partial is not None else {})}
+    def __init__(self):
+        self.timers: collections.defaultdict[str, float] = collections.defaultdict(float)  # wait, sync_gather, ...
+        self.regenerated = 0  # batches regenerated because they arrived too stale
+        self.sync_bytes = 0
+        self.syncs = 0
+        self.gen_tokens = 0  # tokens of trained batches, and the generator seconds they took
+        self.gen_seconds = 0.0
+        self.start_seconds = 0.0  # generators spawned -> ready
+        self.start_wait_seconds = 0.0  # of which the learner waited in `start`
+        self.load_seconds = 0.0  # generator-side weight loading, summed (kept after the pool closes)
+        self.busy_seconds = 0.0  # generator-side sampling time, summed (kept after close; local generators only)
+        self.loaded_versions: dict[int, int] = {}  # generator id -> last acknowledged version (kept after close)
+        self.restarts = 0
+        self.schedule_summary: dict = {}  # the generator schedule's summary (autoscale decisions), kept after close
+        self.imbalance = ImbalanceTally()  # generator/imbalance: max/mean tokens per generator
+        self.length_counts: collections.Counter = collections.Counter()  # completion tokens: samples
+        self.latency = [0.0, 0.0, 0]  # summed dispatch -> queued and last part arrived -> queued seconds; batches
+        self._dispatched_at: dict[int, float] = {}
+        self._arrived_at: dict[int, float] = {}
+        self._lock = threading.Lock()
 
-    def restore_counters(self, c: dict) -> None:
-        self.queue.staleness_counts.update({int(k): v for k, v in c.get("staleness_counts", {}).items()})
-        self.queue.dropped += c.get("dropped", 0)
+    # ---- events ------------------------------------------------------------------------------------------------
+    def dispatched(self, batch_id: int) -> None:
+        with self._lock:
+            self._dispatched_at.setdefault(batch_id, time.perf_counter())
+
+    def part_arrived(self, part: RolloutBatch) -> None:
+        with self._lock:
+            self.length_counts.update(len(c.token_ids) for group in part.completions for c in group)
+            self._arrived_at[part.batch_id] = time.perf_counter()
+
+    def batch_assembled(self, batch_id: int, ordered: list[RolloutBatch], generators: int) -> None:
+        """Every part of batch `batch_id` is in (`ordered`: its parts in chunk order)."""
+        with self._lock:
+            now, sent, arrived = (time.perf_counter(), self._dispatched_at.pop(batch_id, None),
+                                  self._arrived_at.pop(batch_id, None))
+            if sent is not None and arrived is not None:
+                self.latency = [self.latency[0] + now - sent, self.latency[1] + now - arrived, self.latency[2] + 1]
+            if len(ordered) > 1 and generators > 1:
+                self.imbalance.add(ordered, generators)
+
+    def batch_taken(self, batch: RolloutBatch, wait_seconds: float) -> None:
+        self.timers["wait"] += wait_seconds
+        self.gen_tokens += batch.num_tokens
+        self.gen_seconds += batch.seconds
+
+    def pool_state(self, pool) -> None:
+        """What the run summary keeps of the pool's account (called while it runs and once it has closed)."""
+        self.load_seconds = sum(pool.acks.load_seconds)
+        self.busy_seconds = sum(pool.acks.busy_seconds.values())
+        self.loaded_versions = dict(pool.acks.loaded_version)
+        self.restarts = sum(pool.restarts.values())
+
+    # ---- checkpoint state --------------------------------------------------------------------------------------
+    def counters(self, queue) -> dict:
+        return {"staleness_counts": {str(k): v for k, v in queue.staleness_counts.items()},
+                "dropped": queue.dropped, "regenerated": self.regenerated,
+                "sync_bytes": self.sync_bytes, "syncs": self.syncs}
+
+    def restore_counters(self, queue, c: dict) -> None:
+        queue.staleness_counts.update({int(k): v for k, v in c.get("staleness_counts", {}).items()})
+        queue.dropped += c.get("dropped", 0)
         self.regenerated += c.get("regenerated", 0)
         self.sync_bytes += c.get("sync_bytes", 0)
         self.syncs += c.get("syncs", 0)
 
-    # ---- metrics -----------------------------------------------------------------------------------------
-    def stats(self) -> dict[str, float]:
-        """Cumulative pipeline metrics (meaningful on rank 0)."""
-        q = self.queue
-        trained = sum(q.staleness_counts.values())
-        out = {
-            "queue/staleness_mean": (sum(s * c for s, c in q.staleness_counts.items()) / trained) if trained else 0.0,
-            "queue/staleness_max": float(max(q.staleness_counts, default=0)),
-            "queue/dropped": float(q.dropped),
+    # ---- metrics -----------------------------------------------------------------------------------------------
+    def stats(self, queue) -> dict[str, float]:
+        """Cumulative pipeline metrics of these records and the staleness queue (meaningful on rank 0)."""
+        trained = sum(queue.staleness_counts.values())
+        return {
+            "queue/staleness_mean": (sum(s * c for s, c in queue.staleness_counts.items()) / trained) if trained else 0.0,
+            "queue/staleness_max": float(max(queue.staleness_counts, default=0)),
+            "queue/dropped": float(queue.dropped),
             "queue/regenerated": float(self.regenerated),
-            "queue/depth": float(len(q)),
+            "queue/depth": float(len(queue)),
             "generator/tokens_per_s": self.gen_tokens / self.gen_seconds if self.gen_seconds else 0.0,
             "learner/wait_seconds": self.timers["wait"],
             "sync/count": float(self.syncs),
@@ -38,22 +100,6 @@ class PipelineRecords:
             "sync/bytes": float(self.sync_bytes),
             "sync/gather_seconds": self.timers["sync_gather"],
             "sync/transfer_seconds": self.timers["sync_transfer"],
+            "sync/load_seconds": self.load_seconds,
+            "generator/busy_seconds": self.busy_seconds,
         }
-        if self.pool is not None:
-            self.load_seconds = sum(self.pool.acks.load_seconds)
-            out["generator/version_loaded"] = float(self.pool.acks.min_loaded_version())
-        if self.transport is not None:
-            out.update(self.transport.stats())
-        out["sync/load_seconds"] = self.load_seconds
-        if self.pool is not None:
-            self.busy_seconds = sum(self.pool.acks.busy_seconds.values())
-        out["generator/busy_seconds"] = self.busy_seconds
-        if self.tail is not None:
-            out.update(self.tail.stats())
-        if self.partial is not None:
-            out.update(self.partial.stats())
-        if self.scoring is not None:
-            out.update(self.scoring.stats())
-        if self.arrivals is not None:
-            out["learner/early_micro_batches"] = float(self.arrivals.early)
-        return out

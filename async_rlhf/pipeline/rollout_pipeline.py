@@ -1,9 +1,9 @@
 """The asynchronous rollout pipeline: wires prompts -> generators -> staleness queue -> learner -> weights.
 
-This is the one place that owns processes and threads. On learner rank 0 it holds the `GeneratorPool`
-(generator processes + a reader thread), the `StalenessQueue` and the weight transport (and, with
-`generator_autoscale`, `experimental/elastic.py`'s controller, which adds and retires generators after optimizer
-steps); other ranks hold nothing and receive each step's rollouts from rank 0 by broadcast.
+This is the one place that owns processes and threads. On learner rank 0 it holds the generator pool (generator
+processes + a reader thread, or servers; `generation/pool/`, built by the `make_pool` it is given), the
+`StalenessQueue`, the weight transport, the generator schedule (`generation/pool/scheduling.py`) and the batch
+schedule (`batch_forming.py`); other ranks hold nothing and receive each step's rollouts from rank 0 by broadcast.
 
 Step protocol, per optimizer step b (every learner rank calls both, in this order):
 1. `batch_for_step(b)`: rank 0 waits (at most `rollout_timeout`) for batch b, checks its staleness
@@ -39,38 +39,34 @@ import threading
 import time
 from typing import Callable
 
-from async_rlhf.experimental.arrival_order import ArrivalOrder
-from async_rlhf.pipeline.assignment import ImbalanceTally, LengthEstimator, assign
-from async_rlhf.generation.pool.local import GeneratorPool
-from async_rlhf.pipeline.generator_pool import GeneratorPoolProtocol
-from async_rlhf.errors import GeneratorFailed
-from async_rlhf.generation.pool.choice import make_pool
-from async_rlhf.experimental.partial_rollouts import PartialRollouts, restore_partial
-from async_rlhf.pipeline.records import PipelineRecords
+from async_rlhf.errors import GeneratorFailed, RewardError, StageTimeout, WeightTransportError
+from async_rlhf.pipeline.assignment import LengthEstimator, assign
+from async_rlhf.pipeline.batch_forming import BatchForming, WholeBatches
+from async_rlhf.pipeline.generator_pool import GeneratorPoolProtocol, GeneratorScheduling, MakePool
 from async_rlhf.pipeline.prompt_stream import PromptStream
+from async_rlhf.pipeline.rank_share import check_logprobs_finite, share_batch
+from async_rlhf.pipeline.records import PipelineRecords
 from async_rlhf.pipeline.staleness_queue import StalenessQueue
-from async_rlhf.errors import StageTimeout
+from async_rlhf.scoring.stage import ScoringStage
 from async_rlhf.types import GenerationRequest, RolloutBatch, SamplingSettings
 from async_rlhf.weight_sync import gather_full_state
 from async_rlhf.weight_sync.transport import WeightTransport
-from async_rlhf.errors import WeightTransportError
-from async_rlhf.pipeline.rank_share import check_logprobs_finite, share_batch
-from async_rlhf.errors import RewardError
-from async_rlhf.scoring.stage import ScoringStage
 
 logger = logging.getLogger(__name__)
 
 
-class RolloutPipeline(PipelineRecords):
+class RolloutPipeline:
     def __init__(self, args, prompt_token_ids: list[list[int]], generator_model_path: str, accelerator,
-                 total_steps: int, settings: SamplingSettings, engine_kwargs: dict | None = None,
+                 total_steps: int, settings: SamplingSettings, make_pool: MakePool | None = None,
                  score: list[tuple[str, Callable[[list[RolloutBatch]], list[RolloutBatch]]]] | None = None,
-                 budgets: list[int] | None = None, early_pool: GeneratorPool | None = None):
-        """`score`: the stages that score a part on rank 0 as it arrives (`scoring/stage.py`); None: the learner
+                 budgets: list[int] | None = None,
+                 batch_forming: Callable[[RolloutPipeline], BatchForming] = WholeBatches):
+        """`make_pool(on_rollouts, initial_version)`: (weight transport, generator pool not started yet, generator
+        schedule) for this run, on rank 0 (`generation/pool/choice.py`, bound by the trainer).
+        `score`: the stages that score a part on rank 0 as it arrives (`scoring/stage.py`); None: the learner
         scores batches.
         `budgets`: each prompt's own `max_new_tokens` (a dataset column, `data/prompts.py`); None: the settings'.
-        `early_pool`: generators spawned while the learner loaded (`generation/pool/early_start.py`): `start` uses them
-        if they are what it would start, else closes them."""
+        `batch_forming`: the batch schedule (`batch_forming.py`), built with this pipeline as its owner."""
         self.args = args
         self.accelerator = accelerator
         self.is_main = accelerator.is_main_process
@@ -79,105 +75,86 @@ class RolloutPipeline(PipelineRecords):
         self.total_steps = total_steps
         self.settings = settings
         self.generator_model_path = generator_model_path
-        self.engine_kwargs = engine_kwargs or {}
+        self._make_pool = make_pool
         self.queue = StalenessQueue(args.max_staleness)
-        self.pool: GeneratorPoolProtocol | None = None  # GeneratorPool, or HTTPGeneratorPool (generator_servers)
-        self.elastic = None  # ElasticGenerators with generator_autoscale (experimental/elastic.py)
-        self.autoscale: dict = {}  # its summary, kept after close
-        self.transport: WeightTransport | None = None  # ShmWeightTransport (local generators and servers)
+        self.records = PipelineRecords()
+        self.pool: GeneratorPoolProtocol | None = None
+        self.scheduling: GeneratorScheduling | None = None  # the generator schedule, from `make_pool`
+        self.transport: WeightTransport | None = None
         self.queued_version = 0  # newest weights sent to the generators (derived: see the module docstring)
-        self.next_dispatch = 0  # next batch id to send
-        self.regenerated = 0
-        self.timers: collections.defaultdict[str, float] = collections.defaultdict(float)
-        self.sync_bytes = 0
-        self.syncs = 0
-        self.gen_tokens = 0
-        self.gen_seconds = 0.0
-        self.start_seconds = 0.0  # generators spawned -> ready
-        self.start_wait_seconds = 0.0  # of which the learner waited in `start`
-        self.load_seconds = 0.0  # generator-side weight loading, summed (kept after close)
-        self.busy_seconds = 0.0  # generator-side sampling time, summed (kept after close; local generators only)
-        self.loaded_versions: dict[int, int] = {}  # generator id -> last acknowledged version (kept after close)
-        self.restarts = 0
-        self._partial: dict[int, dict[int, RolloutBatch]] = {}  # batch id -> chunk -> rollouts (reader thread)
         self._sync_failure: GeneratorFailed | None = None  # a failed publish, raised by the next batch_for_step
         self._score = score
         self.scoring: ScoringStage | None = None
-        self._early_pool = early_pool
         self.budgets = budgets
         self.lengths = LengthEstimator(settings.max_new_tokens, budgets)  # observed by the reader thread, read by dispatch
         self.pool_size = 0  # generators, once started
         self._in_flight_tokens = collections.defaultdict(float)  # generator -> expected tokens sent, not returned
         self._owners: dict[tuple[int, int], list] = {}  # (batch, part) -> [(generator, expected tokens)] per send
-        self._load_lock = threading.Lock()  # the three above: dispatch (main thread) and the reader thread
-        self.imbalance = ImbalanceTally()  # generator/imbalance: max/mean tokens per generator
-        self.tail = None  # local pools: `experimental/tail_migration.py`'s counters
-        # per-batch stage timing for the planner (`plan/feedback.py`): dispatch and last part's arrival on rank 0
-        self._dispatched_at: dict[int, float] = {}
-        self._arrived_at: dict[int, float] = {}
-        self.length_counts: collections.Counter = collections.Counter()  # completion tokens: samples (reader thread)
-        self.latency = [0.0, 0.0, 0]  # summed dispatch -> queued and last part arrived -> queued seconds; batches
-        # partial rollouts (`experimental/partial_rollouts.py`): steps gather finished groups of several admitted batches
-        self.partial = (PartialRollouts(args.prompts_per_step, args.max_staleness, args.partial_rollouts, self._send)
-                        if getattr(args, "partial_rollouts", 0) else None)
-        # train_while_generating (`experimental/arrival_order.py`): micro-batches of a step's groups in arrival order
-        self.arrivals = ArrivalOrder(args.max_staleness) if getattr(args, "train_while_generating", False) else None
+        self._load_lock = threading.Lock()  # the two above: dispatch (main thread) and the reader thread
+        self.forming = batch_forming(self)
         self._step_batch: RolloutBatch | None = None  # the current step's whole batch (see `micro_batch`)
-        self._fused_step = False  # the current step's micro-batches are taken in arrival order
+
+    @property
+    def regenerated(self) -> int:
+        return self.records.regenerated
+
+    @regenerated.setter
+    def regenerated(self, value: int) -> None:
+        self.records.regenerated = value
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     def start(self, initial_version: int = 0, pending: list[RolloutBatch] = (), counters: dict | None = None) -> None:
         """Start the generators at `initial_version` (> 0 when resuming: the generators then start from the
         checkpoint's weights), with rollouts restored from a checkpoint already queued."""
         self.queued_version = initial_version
-        self.next_dispatch = initial_version
         if not self.is_main:
             return
-        self.restore_counters(counters or {})
-        if self.partial is not None or (counters or {}).get("partial"):
-            restore_partial(self.partial, getattr(self.args, "partial_rollouts", 0), initial_version, pending,
-                            counters or {})
-        else:
-            for batch in pending:
-                if batch.batch_id >= initial_version:
-                    self.queue.put(batch)
+        self.records.restore_counters(self.queue, counters or {})
+        self.forming.restore(initial_version, list(pending), counters or {})
         if initial_version >= self.total_steps:  # resumed from the final checkpoint: nothing left to generate
             return
         if self._score is not None:
             self.scoring = ScoringStage(self._score, self._assemble)
-        early, self._early_pool = self._early_pool, None
-        self.transport, self.pool, self.elastic = make_pool(
-            self.args, self._on_rollouts, self.generator_model_path, self.engine_kwargs, initial_version, early,
-            self.accelerator.num_processes, self.accelerator.device)
-        self.tail = getattr(self.pool, "tail", None)  # `tail_migration`'s counters, kept after the pool closes
+        self.transport, self.pool, self.scheduling = self._make_pool(self._on_rollouts, initial_version)
         try:
             self.pool.start()
         except BaseException:
             self.close()
             raise
-        self.start_seconds = self.pool.start_seconds
-        self.start_wait_seconds = getattr(self.pool, "start_wait_seconds", self.start_seconds)
+        self.records.start_seconds = self.pool.start_seconds
+        self.records.start_wait_seconds = getattr(self.pool, "start_wait_seconds", self.pool.start_seconds)
         self.pool_size = self.pool.num_generators
-        self._dispatch()
+        self.forming.dispatch()
 
     def pending(self, step: int) -> list[RolloutBatch]:
-        """Rollouts generated but not trained yet, for a checkpoint at `step` (finished groups with partial rollouts)."""
-        if self.partial is not None:
-            return self.partial.state()[1]
-        return [b for b in self.queue.pending() if b.batch_id >= step]
+        """Rollouts generated but not trained yet, for a checkpoint at `step`."""
+        return self.forming.pending(step)
+
+    def counters(self) -> dict:
+        """What a checkpoint saves of the pipeline (`async_rlhf_pipeline.json`)."""
+        return {**self.records.counters(self.queue), **self.forming.counters()}
+
+    def stats(self) -> dict[str, float]:
+        """Cumulative pipeline metrics (meaningful on rank 0)."""
+        out = self.records.stats(self.queue)
+        if self.pool is not None:
+            self.records.pool_state(self.pool)
+            out["generator/version_loaded"] = float(self.pool.acks.min_loaded_version())
+            out["sync/load_seconds"] = self.records.load_seconds
+            out["generator/busy_seconds"] = self.records.busy_seconds
+        if self.transport is not None:
+            out.update(self.transport.stats())
+        for part in (self.scheduling, self.forming, self.scoring):
+            if part is not None:
+                out.update(part.stats())
+        return out
 
     def close(self) -> None:
-        if self.elastic is not None:
-            self.autoscale = self.elastic.summary()
-        if self._early_pool is not None:  # never started (rank 0 resumed from the final checkpoint)
-            self._early_pool.close()
-            self._early_pool = None
+        if self.scheduling is not None:
+            self.records.schedule_summary = self.scheduling.summary()
         if self.pool is not None:
             self.pool.close()  # first: it may still record the acknowledgements of the last weights
-            self.load_seconds = sum(self.pool.acks.load_seconds)
-            self.busy_seconds = sum(self.pool.acks.busy_seconds.values())
-            self.loaded_versions = dict(self.pool.acks.loaded_version)
-            self.restarts = sum(self.pool.restarts.values())
+            self.records.pool_state(self.pool)
             self.pool = None
         if self.transport is not None:
             self.transport.close()
@@ -198,11 +175,11 @@ class RolloutPipeline(PipelineRecords):
 
     def micro_batch(self, step: int, micro: int, micro_batches: int) -> RolloutBatch:
         """Micro-batch `micro` of `micro_batches` of step `step`, on every rank: `per_device_train_batch_size` groups
-        per rank, rank r's at rows [r * per, (r + 1) * per). Its slice of the whole batch in prompt order; with
-        `train_while_generating`, the next groups in arrival order, each micro-batch but the last as soon as they
-        have arrived (`experimental/arrival_order.py`). After the last one, `trained_batch` is the step's whole batch (rank 0)."""
+        per rank, rank r's at rows [r * per, (r + 1) * per). Its slice of the whole batch in prompt order (one
+        broadcast per step), or what the batch schedule forms for it (`per_micro_batch`: one broadcast each). After
+        the last one, `trained_batch` is the step's whole batch (rank 0)."""
         count = self.args.per_device_train_batch_size * self.accelerator.num_processes
-        if self.arrivals is None:  # one broadcast per step, as `batch_for_step`
+        if not self.forming.per_micro_batch:
             if micro == 0:
                 self._step_batch = self.batch_for_step(step)
             return self._step_batch.select(list(range(micro * count, (micro + 1) * count)))
@@ -227,52 +204,32 @@ class RolloutPipeline(PipelineRecords):
         return batch
 
     def _take_micro(self, step: int, micro: int, micro_batches: int, count: int) -> RolloutBatch:
-        """Rank 0, `train_while_generating`: micro-batch `micro` of step `step` (see `micro_batch`)."""
+        """Rank 0: micro-batch `micro` of step `step`, as the batch schedule forms it."""
         self.total_steps = max(self.total_steps, step + 1)
-        if micro == 0:  # a batch restored from a checkpoint is whole from the start: prompt order
-            self._fused_step = self.arrivals.has(step) or step not in self.queue
-            self.arrivals.forget_before(step)
-        if not self._fused_step:
-            if micro == 0:
-                self._step_batch = self._take_batch(step)
-            return self._step_batch.select(list(range(micro * count, (micro + 1) * count)))
-        if micro < micro_batches - 1:
-            if self._sync_failure is not None:
-                raise self._sync_failure
-            t0 = time.perf_counter()
-            self._dispatch()
-            part = self.arrivals.take(step, count, self.args.rollout_timeout, self._check)
-            self.timers["wait"] += time.perf_counter() - t0
-            check_logprobs_finite(part)
-            return part
+        if self._sync_failure is not None:
+            raise self._sync_failure
+        return self.forming.take_micro(step, micro, micro_batches, count)
+
+    def take_whole(self, step: int) -> RolloutBatch:
+        """Rank 0: batch `step` as the batch schedule forms it, checked and counted (also the last micro-batch's
+        wait of a schedule that forms micro-batches; it sets `trained_batch`)."""
         self._step_batch = self._take_batch(step)
-        return self.arrivals.rest(self._step_batch)
+        return self._step_batch
 
     def _take_batch(self, step: int) -> RolloutBatch:
-        """Rank 0: wait (at most `rollout_timeout`) for batch `step`, regenerating it if it arrived too stale."""
+        """Rank 0: wait (at most `rollout_timeout`) for batch `step`, as the batch schedule forms it."""
         self.total_steps = max(self.total_steps, step + 1)  # the Trainer may run past max_steps (resume)
         t0 = time.perf_counter()
         if self._sync_failure is not None:
             raise self._sync_failure
-        batch = None
-        while batch is None and self.partial is not None:
-            self._dispatch()
-            batch = self.partial.take(step, self.args.rollout_timeout, self._check, self._dispatch)
-            self.queue.staleness_counts[step - batch.policy_version] += 1
-        while batch is None:
-            self._dispatch()
-            batch = self.queue.get(step, learner_version=step, timeout=self.args.rollout_timeout, poll=self._check)
-            if batch is None:  # arrived too stale: regenerate with the current weights
-                self.regenerated += 1
-                self._send(step)
+        batch = self.forming.take(step)
         check_logprobs_finite(batch)
-        self.timers["wait"] += time.perf_counter() - t0
-        self.gen_tokens += batch.num_tokens
-        self.gen_seconds += batch.seconds
+        self.records.batch_taken(batch, time.perf_counter() - t0)
         return batch
 
     def after_optimizer_step(self, model, version: int) -> None:
         """Call on every rank after the optimizer step that produced `version`."""
+        timers = self.records.timers
         if version % self.args.sync_every == 0:
             t0 = time.perf_counter()
             state = gather_full_state(model, self.is_main, device=getattr(self.transport, "device", "cpu"))
@@ -287,16 +244,16 @@ class RolloutPipeline(PipelineRecords):
                     self.pool.send_weights(update)
                     self.transport.release(self.pool.acks.min_loaded_version())
                     self.queued_version = version
-                    self.sync_bytes += update.num_bytes
-                    self.syncs += 1
-            self.timers["sync_gather"] += t1 - t0
-            self.timers["sync_transfer"] += time.perf_counter() - t1
+                    self.records.sync_bytes += update.num_bytes
+                    self.records.syncs += 1
+            timers["sync_gather"] += t1 - t0
+            timers["sync_transfer"] += time.perf_counter() - t1
         if self.is_main:
-            self._dispatch()
-            if self.elastic is not None and self.pool is not None:
-                self.elastic.after_step(version, self.timers["wait"], self.queued_version)
+            self.forming.dispatch()
+            if self.pool is not None:
+                self.scheduling.after_step(version, timers["wait"], self.queued_version)
 
-    def _check(self) -> None:
+    def check(self) -> None:
         """Rank 0, while it waits for rollouts: a failed generator, an overdue stage or a failed scoring raises."""
         self.pool.check()
         if self.scoring is not None:
@@ -315,25 +272,16 @@ class RolloutPipeline(PipelineRecords):
             "RAM-backed directory.")
 
     # ---- dispatch ----------------------------------------------------------------------------------------
-    def _dispatch(self) -> None:
-        if self.partial is not None:
-            self.partial.dispatch(self.queued_version, self.total_steps)
-            return
-        while self.next_dispatch < self.total_steps and self.queue.admissible(self.next_dispatch, self.queued_version):
-            if self.next_dispatch not in self.queue:  # restored from a checkpoint: already generated
-                self._send(self.next_dispatch)
-            self.next_dispatch += 1
-
-    def _send(self, batch_id: int, indices: list[int] | None = None, attempt: int = 0) -> None:
+    def send(self, batch_id: int, indices: list[int] | None = None, attempt: int = 0) -> None:
         """Send batch `batch_id` to the generators (all of them work on every batch, so adding generators cuts the
         latency of each step, which is what matters at low staleness). Streaming: one request per prompt group, each
         to a generator chosen by expected token load (`generator_assignment`, `assignment.py`). Batch-level: one
         contiguous chunk of equal prompt count per generator. `indices` (streaming): only those groups; `attempt` > 0: a
-        group regenerated after it arrived too stale (partial rollouts), with seeds of its own."""
+        group regenerated after it arrived too stale, with seeds of its own."""
         ids = self.stream.prompts_for_step(batch_id)
-        active = self.pool.active_generators()  # generator ids; elastic pools change them between batches
+        active = self.pool.active_generators()  # generator ids; a generator schedule may change them between batches
         g = len(active)
-        self._dispatched_at.setdefault(batch_id, time.perf_counter())
+        self.records.dispatched(batch_id)
         if self.args.streaming:
             bounds = list(range(len(ids) + 1))
             chunks = list(range(len(ids))) if indices is None else indices
@@ -369,8 +317,8 @@ class RolloutPipeline(PipelineRecords):
         return self.settings.n * self.lengths.expected_length(prompt_id) + len(self.prompt_token_ids[prompt_id])
 
     def _on_rollouts(self, part: RolloutBatch) -> None:
-        """Reader thread: reassemble a batch from its parts (chunks or groups), then hand it to the staleness queue.
-        The batch's version is the oldest of its parts' (the staleness bound holds for every sample)."""
+        """Reader thread: settle the part's expected load, record it, then score it (on the scoring thread) or
+        hand it to the batch schedule."""
         with self._load_lock:
             owners = self._owners.get((part.batch_id, part.chunk))
             if owners:  # sent twice when the batch was regenerated: one answer settles one send
@@ -378,35 +326,12 @@ class RolloutPipeline(PipelineRecords):
                 self._in_flight_tokens[owner] -= expected
             for prompt_id, group in zip(part.prompt_ids, part.completions):
                 self.lengths.observe(prompt_id, [len(c.token_ids) for c in group])
-                self.length_counts.update(len(c.token_ids) for c in group)
-            self._arrived_at[part.batch_id] = time.perf_counter()
+        self.records.part_arrived(part)
         if self.scoring is not None:
             self.scoring.submit(part)  # scored on its thread, which then assembles it
         else:
             self._assemble(part)
 
     def _assemble(self, part: RolloutBatch) -> bool:
-        """Reassemble a batch from its parts; a complete batch goes into the staleness queue (returns True). With
-        partial rollouts each group stands alone, waiting for a step to take it."""
-        if self.partial is not None:
-            self.partial.arrived(part)
-            return True
-        if self.arrivals is not None:  # before its batch can reach the queue
-            self.arrivals.add(part)
-        parts = self._partial.setdefault(part.batch_id, {})
-        parts[part.chunk] = part
-        if len(parts) < part.num_chunks:
-            return False
-        del self._partial[part.batch_id]
-        now, sent, arrived = time.perf_counter(), self._dispatched_at.pop(part.batch_id, None), self._arrived_at.pop(
-            part.batch_id, None)
-        if sent is not None and arrived is not None:
-            self.latency = [self.latency[0] + now - sent, self.latency[1] + now - arrived, self.latency[2] + 1]
-        ordered = [parts[c] for c in range(part.num_chunks)]
-        if part.num_chunks > 1 and self.pool_size > 1:
-            self.imbalance.add(ordered, self.pool_size)
-        if part.num_chunks == 1:
-            self.queue.put(part)
-            return True
-        self.queue.put(RolloutBatch.merged(part.batch_id, ordered))
-        return True
+        """A (scored) part goes to the batch schedule; True when it completed a batch (`ScoringStage` calls this)."""
+        return self.forming.arrived(part)

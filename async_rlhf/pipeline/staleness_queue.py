@@ -20,8 +20,8 @@ import collections
 import threading
 import time
 
-from async_rlhf.types import RolloutBatch
 from async_rlhf.errors import StageTimeout
+from async_rlhf.types import RolloutBatch
 
 
 class StalenessQueue:

@@ -1,7 +1,7 @@
 """A discrete-event simulation of our pipeline, step by step as `pipeline/rollout_pipeline.py` runs it.
 
 What it models (and where the rule lives in the code):
-- **Admission** (`pipeline._dispatch`, `StalenessQueue.admissible`): batch c is dispatched once the newest weights
+- **Admission** (`pipeline/batch_forming.WholeBatches.dispatch`, `StalenessQueue.admissible`): batch c is dispatched once the newest weights
   queued to the generators have version >= c - S; at the start, batches 0..S go at once.
 - **Messages** from the learner reach a generator's inbox `dispatch_seconds` after they are sent (on one machine:
   pickling and the pipe, slowed when the learner's training holds the GIL), in the order they were sent.

@@ -12,7 +12,7 @@ so it always lies in the part run per row.
 Exact in the sense that each row is the same token ids at positions 0..len-1; the unshared forward pads the batch
 (on the left with a left-padding tokenizer, such as the built-in task's) without position ids, so it shifts a row's
 positions by its padding. With rotary position embeddings (Llama, Qwen, Mistral, ...) attention depends only on
-position differences and both agree within float tolerance (tests/unit/test_reward_prefix.py); a model with absolute
+position differences and both agree within float tolerance (tests/unit/scoring/test_reward_prefix.py); a model with absolute
 position embeddings would give different scores either way, so leave the option off for it.
 """
 

@@ -23,10 +23,9 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
 from async_rlhf.data.prompts import prompt_text
+from async_rlhf.errors import RewardError
 from async_rlhf.scoring.reward_prefix import shared_prefix_scores, supports_shared_prefix
 from async_rlhf.types import RolloutBatch, ScoredGroup
-from async_rlhf.errors import RewardError
-
 
 logger = logging.getLogger(__name__)
 

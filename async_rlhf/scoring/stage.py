@@ -35,7 +35,6 @@ from typing import Callable
 
 from async_rlhf.types import RolloutBatch
 
-
 Stage = Callable[[list[RolloutBatch]], list[RolloutBatch]]
 
 

@@ -31,13 +31,13 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaForSequenceClassification, PreTrainedModel, PreTrainedTokenizerFast
 
 from async_rlhf.data import builtin_task
+from async_rlhf.data.tiny_model import tiny_llama
+from async_rlhf.data.tokenizer import build_tokenizer
+from async_rlhf.generation.engine.hf_backend import TransformersSampler
 from async_rlhf.tasks import build_progress
 from async_rlhf.tasks.build_lock import build_lock
 from async_rlhf.tasks.cache import _is_complete, _paths, built_atomically, default_cache_dir
-from async_rlhf.data.tokenizer import build_tokenizer
 from async_rlhf.tasks.evaluation import evaluate_policy
-from async_rlhf.generation.engine.hf_backend import TransformersSampler
-from async_rlhf.data.tiny_model import tiny_llama
 from async_rlhf.types import SamplingSettings
 
 logger = logging.getLogger(__name__)

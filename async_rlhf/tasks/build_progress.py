@@ -1,4 +1,4 @@
-"""What the one-time build of a prepared task (the built-in or the long-tail one, `prepare.py`) shows while it runs: a line saying what is built
+"""What the one-time build of a prepared task (the built-in or the long-tail one, `build_builtin.py`) shows while it runs: a line saying what is built
 where and about how long it takes, then one progress bar per stage (SFT steps, preference-pair sampling, reward
 model steps) with tqdm's rate and time left.
 

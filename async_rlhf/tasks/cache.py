@@ -1,7 +1,7 @@
 """Where prepared tasks are cached, and how a cache directory is written so that readers never see half of one.
 
 Used by `tasks/build_builtin.py` (the built-in and long-tail tasks) and `tasks/smollm2.py`; the guarantees are stated in
-`prepare.py`'s docstring.
+`build_builtin.py`'s docstring.
 """
 
 from __future__ import annotations

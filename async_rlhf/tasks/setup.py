@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from async_rlhf.errors import ConfigError
-from async_rlhf.tasks.evaluation import gold_evaluation
 from async_rlhf.learner.peft_policy import is_peft_policy, savable_model
+from async_rlhf.tasks.evaluation import gold_evaluation
 from async_rlhf.weight_sync import gather_full_state
 
 

@@ -22,26 +22,30 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForCausalLM, Trainer
 
-from async_rlhf.learner import checkpointing
-from async_rlhf.learner import peft_policy
 from async_rlhf.config.base import AsyncRLConfig
-from async_rlhf.errors import ConfigError
+from async_rlhf.config.checks import check_learner_combinations
 from async_rlhf.data.prompts import check_prompt_dataset, completion_budgets, tokenize_prompts
-from async_rlhf.learner.frozen_models import prepare_frozen, reference_model
+from async_rlhf.errors import ConfigError, GeneratorFailed, StageTimeout
+from async_rlhf.experimental import schedules
 from async_rlhf.experimental.fused_reference import reference_parts
+from async_rlhf.generation.pool.choice import make_pool
 from async_rlhf.generation.pool.early_start import choose_backend_and_spawn
-from async_rlhf.generation.pool.placement import (check_context_length, check_generator_devices, check_shm_space,
-                                             engine_kwargs,
-                                             initial_model_dir)
-from async_rlhf.errors import GeneratorFailed
-from async_rlhf.pipeline.rollout_pipeline import RolloutPipeline
-from async_rlhf.pipeline.prompt_stream import total_steps
-from async_rlhf.trainers.run_summary import build_summary, format_summary
-from async_rlhf.scoring.rewards import RewardScorer, score_parts, score_rows
-from async_rlhf.errors import StageTimeout
-from async_rlhf.trainers.startup import StartupTimeline
-from async_rlhf.trainers.hooks import PipelineHooks, StepTickets, disable_dropout
+from async_rlhf.generation.pool.placement import (
+    check_context_length,
+    check_generator_devices,
+    check_shm_space,
+    engine_kwargs,
+    initial_model_dir,
+)
+from async_rlhf.learner import checkpointing, peft_policy
+from async_rlhf.learner.frozen_models import prepare_frozen, reference_model
 from async_rlhf.learner.nonfinite import NonFiniteGuard, NonFiniteSteps
+from async_rlhf.pipeline.prompt_stream import total_steps
+from async_rlhf.pipeline.rollout_pipeline import RolloutPipeline
+from async_rlhf.scoring.rewards import RewardScorer, score_parts, score_rows
+from async_rlhf.trainers.hooks import PipelineHooks, StepTickets, disable_dropout
+from async_rlhf.trainers.run_summary import build_summary, format_summary
+from async_rlhf.trainers.startup import StartupTimeline
 from async_rlhf.trainers.trl_compat import check_trl_arguments, set_trl_attributes, tokenizer_for
 from async_rlhf.types import RolloutBatch, SamplingSettings, ScoredGroup
 
@@ -62,6 +66,11 @@ class AsyncTrainerBase(Trainer):
         if not isinstance(args, self.config_class):
             raise ConfigError(f"args: expected {self.config_class.__name__}, got {type(args).__name__}")
         peft_policy.check_peft_config(peft_config, model)  # LoRA: see learner/peft_policy.py
+        deepspeed = bool(args.deepspeed) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
+        check_learner_combinations(args, deepspeed, lora=peft_config is not None or (
+            not isinstance(model, str) and peft_policy.is_peft_policy(model)))
+        if args.score_while_generating is None:  # auto (config/base.py)
+            args.score_while_generating = not deepspeed
         check_prompt_dataset(train_dataset)
         reward_funcs = reward_funcs if reward_funcs is not None else args.reward_model_path
         if reward_funcs is None:
@@ -105,6 +114,16 @@ class AsyncTrainerBase(Trainer):
         except BaseException:
             self._close_early_pool()
             raise
+
+    def _pool_maker(self, model_dir: str, kwargs: dict):
+        """The pipeline's `make_pool` (`pipeline/generator_pool.MakePool`): this run's pool, transport and generator
+        schedule, adopting the generators spawned while the trainer was built (`early_start.py`) if they fit."""
+        def make(on_rollouts, initial_version: int):
+            early, self._early_pool = self._early_pool, None
+            return make_pool(self.args, on_rollouts, initial_version, model_path=model_dir, engine_kwargs=kwargs,
+                             early_pool=early, device=self.accelerator.device,
+                             scheduling=schedules.generator_scheduling(self.args, self.accelerator.num_processes))
+        return make
 
     def _close_early_pool(self) -> None:
         if self._early_pool is not None:
@@ -280,11 +299,11 @@ class AsyncTrainerBase(Trainer):
         except BaseException:
             self._close_early_pool()
             raise
-        early, self._early_pool = self._early_pool, None  # spawned by the constructor (early_start.py)
         self.pipeline = RolloutPipeline(self.args, self.prompt_token_ids, model_dir, self.accelerator,
                                         self._total_steps(), self.sampling_settings(),
-                                        engine_kwargs(self.args, self.model), score=self._fused_scoring(),
-                                        budgets=self.prompt_budgets, early_pool=early)
+                                        self._pool_maker(model_dir, engine_kwargs(self.args, self.model)),
+                                        score=self._fused_scoring(), budgets=self.prompt_budgets,
+                                        batch_forming=schedules.batch_forming(self.args))
         self._stop_signal = 0
         previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
         for sig in previous:
@@ -292,9 +311,9 @@ class AsyncTrainerBase(Trainer):
         t0 = time.perf_counter()
         try:
             self.pipeline.start(restored["version"], restored["pending"], restored["counters"])
-            if self.pipeline.start_seconds:  # the generators' own account: early ones, or started just now
+            if self.pipeline.records.start_seconds:  # the generators' own account: early ones, or started just now
                 self.timeline.mark("generators_ready")
-                self.timeline.mark("generators_spawned", self.pipeline.start_seconds, replace=True)
+                self.timeline.mark("generators_spawned", self.pipeline.records.start_seconds, replace=True)
             t_loop = time.perf_counter()
             output = super().train(resume_from_checkpoint=checkpoint, trial=trial,
                                    ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
@@ -304,6 +323,7 @@ class AsyncTrainerBase(Trainer):
             raise type(exc)(f"{exc}\n{self._checkpoint_after_failure()}") from exc
         finally:
             self.pipeline.close()
+            self._close_early_pool()  # never adopted (rank 0 resumed from the final checkpoint)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             if init_copy is not None:  # rank 0's RAM copy of the initial weights

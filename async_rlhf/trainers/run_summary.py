@@ -16,7 +16,7 @@ FINAL_METRICS = ("objective/scores", "objective/kl", "objective/rlhf_reward", "l
 
 def build_summary(pipeline, args, accelerator, steps: int, wall: float, loop_seconds: float,
                   rewards_skipped: int, last_metrics: dict[str, float]) -> dict:
-    p = pipeline
+    p, r = pipeline, pipeline.records
     stats = p.stats()
     summary = {
         "steps": steps,
@@ -24,33 +24,33 @@ def build_summary(pipeline, args, accelerator, steps: int, wall: float, loop_sec
         "samples": steps * args.prompts_per_step * args.num_generations,
         "wall_seconds": wall,
         "loop_seconds": loop_seconds,
-        "generator_start_seconds": p.start_seconds,  # spawned -> ready (spawned while the trainer was built)
-        "generator_start_wait_seconds": p.start_wait_seconds,  # of which the learner waited, in train()
-        "generate_seconds": p.gen_seconds,
-        "train_seconds": loop_seconds - p.timers["wait"],  # learner busy: all but waiting for rollouts
-        "wait_seconds": p.timers["wait"],
-        "sync_seconds": p.timers["sync_gather"] + p.timers["sync_transfer"],
+        "generator_start_seconds": r.start_seconds,  # spawned -> ready (spawned while the trainer was built)
+        "generator_start_wait_seconds": r.start_wait_seconds,  # of which the learner waited, in train()
+        "generate_seconds": r.gen_seconds,
+        "train_seconds": loop_seconds - r.timers["wait"],  # learner busy: all but waiting for rollouts
+        "wait_seconds": r.timers["wait"],
+        "sync_seconds": r.timers["sync_gather"] + r.timers["sync_transfer"],
         "sync_load_seconds": stats.get("sync/load_seconds", 0.0),
-        "sync_bytes": p.sync_bytes,
+        "sync_bytes": r.sync_bytes,
         "generators": len(args.generator_servers or args.generator_devices),  # at start (autoscale: see below)
-        "generator_versions": p.loaded_versions,
-        "generator_autoscale": p.autoscale,  # decisions and each generator's answers (experimental/elastic.py); {}: off
+        "generator_versions": r.loaded_versions,
+        "generator_autoscale": r.schedule_summary,  # decisions, answers per generator (experimental/elastic.py); {}: off
         "generation_mode": "stream" if args.streaming else "batch",
-        "generator_busy_seconds": p.busy_seconds,  # as of each generator's last weight acknowledgement
-        "generated_tokens": p.gen_tokens,
-        "rollout_latency_seconds": p.latency[0],  # summed over batches: dispatch -> complete batch queued
-        "handoff_seconds": p.latency[1],  # summed over batches: last part received on rank 0 -> batch queued
-        "timed_batches": p.latency[2],
-        "syncs": p.syncs,
+        "generator_busy_seconds": r.busy_seconds,  # as of each generator's last weight acknowledgement
+        "generated_tokens": r.gen_tokens,
+        "rollout_latency_seconds": r.latency[0],  # summed over batches: dispatch -> complete batch queued
+        "handoff_seconds": r.latency[1],  # summed over batches: last part received on rank 0 -> batch queued
+        "timed_batches": r.latency[2],
+        "syncs": r.syncs,
         "scoring_seconds": stats.get("scoring/seconds", 0.0),  # rank 0's scoring thread (score_while_generating)
         "scoring_hidden_fraction": stats.get("scoring/hidden_fraction"),  # of it, before a batch's last part landed
         "early_micro_batches": stats.get("learner/early_micro_batches"),  # train_while_generating: trained before
         # their batch was complete (None: off)
-        "completion_length_counts": {int(k): v for k, v in sorted(p.length_counts.items())},
+        "completion_length_counts": {int(k): v for k, v in sorted(r.length_counts.items())},
         "generator_imbalance": {k.split("/")[1]: v for k, v in stats.items() if k.startswith("generator/imbalance")},
         "staleness_histogram": {int(k): v for k, v in sorted(p.queue.staleness_counts.items())},
         "dropped": p.queue.dropped,
-        "generator_restarts": p.restarts,
+        "generator_restarts": r.restarts,
         "regenerated": p.regenerated,
         "rewards_skipped": rewards_skipped,
         "max_staleness": args.max_staleness,
@@ -60,7 +60,7 @@ def build_summary(pipeline, args, accelerator, steps: int, wall: float, loop_sec
                      "zero_stage": getattr(accelerator.state.deepspeed_plugin, "zero_stage", None)},
         "final": {k: v for k, v in last_metrics.items() if k in FINAL_METRICS},
     }
-    if p.partial is not None:  # partial rollouts: groups carried across steps, and dropped for staleness
+    if args.partial_rollouts:  # partial rollouts: groups carried across steps, and dropped for staleness
         summary["partial_rollouts"] = {k.split("/")[1]: v for k, v in stats.items() if k.startswith("partial/")}
     if args.tail_migration:  # requests handed to one generator at a batch's tail (`experimental/tail_migration.py`)
         summary["tail_migration"] = {k.split("/")[1][5:]: v for k, v in stats.items() if k.startswith("generator/tail_")}

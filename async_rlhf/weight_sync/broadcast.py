@@ -42,8 +42,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from async_rlhf.types import WeightUpdate
 from async_rlhf.errors import WeightTransportError
+from async_rlhf.types import WeightUpdate
 
 logger = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from async_rlhf.types import WeightUpdate
 from async_rlhf.errors import WeightTransportError
+from async_rlhf.types import WeightUpdate
 
 
 def gpu_uuid(device_index: int) -> str:

@@ -15,7 +15,7 @@ of its tensors have arrived, so this order keeps at most one layer's buffers ali
 
 Why not safetensors' own `safe_open(...).get_tensor`: safetensors 0.8 leaves two Python objects behind per tensor
 read, so a generator reloading weights every step grew without bound (benchmarks/soak.py;
-tests/unit/test_weight_file_reader.py measures both readers).
+tests/unit/weight_sync/test_weight_file_reader.py measures both readers).
 """
 
 from __future__ import annotations

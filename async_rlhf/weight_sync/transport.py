@@ -19,7 +19,6 @@ from typing import Protocol
 import torch
 
 from async_rlhf.types import WeightUpdate
-from async_rlhf.errors import WeightTransportError
 
 
 class WeightTransport(Protocol):

@@ -17,7 +17,7 @@ Two halves, as in vLLM's `nccl_engine.py`:
   `send_weights(update)` takes the `WeightUpdate` that `publish` returned and drives the round trip through any
   `VLLMWeightSyncClient`: vLLM's `HTTPVLLMWeightSyncClient` for a `vllm serve` started with
   `--weight-transfer-config '{"backend": "async_rlhf_shm"}'` and our `--worker-extension-cls`
-  (tests/integration/test_vllm_weight_routes.py), or `generation.vllm_backend.LLMClient` for the in-process
+  (tests/integration/test_vllm_weight_routes.py), or `generation.engine.vllm_backend.LLMClient` for the in-process
   `vllm.LLM` of our generator processes.
 
 Guarantees:

@@ -2,7 +2,7 @@
 
 Guarantees:
 - `SWEEP_RECIPES` names every recipe under recipes/ whose config class is an `AsyncRLConfig` (the ones with the
-  off-policy knobs); tests/unit/test_sweep_grid.py checks it against recipes/, so a new recipe that is not added
+  off-policy knobs); tests/unit/launch/test_sweep_grid.py checks it against recipes/, so a new recipe that is not added
   here fails a test instead of a sweep;
 - `recipe_options` answers without importing a recipe or vLLM: the classes come from async_rlhf.config.base and
   async_rlhf.tasks.setup, which import transformers (and torch) but nothing else heavy;
@@ -17,10 +17,14 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from async_rlhf.config.algorithms import (AsyncBestOfNConfig, AsyncGRPOConfig, AsyncOnlineDPOConfig, AsyncPPOConfig,
-                                          AsyncRLOOConfig)
+from async_rlhf.config.algorithms import (
+    AsyncBestOfNConfig,
+    AsyncGRPOConfig,
+    AsyncOnlineDPOConfig,
+    AsyncPPOConfig,
+    AsyncRLOOConfig,
+)
 from async_rlhf.tasks.setup import ScriptArguments
-
 from launch.sweeping import ROOT
 
 RECIPES_DIR = os.path.join(ROOT, "recipes")

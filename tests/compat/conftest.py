@@ -31,7 +31,8 @@ def _import(name: str):
     if name == "trl":
         from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
     else:
-        from async_rlhf import AsyncOnlineDPOConfig as OnlineDPOConfig, AsyncOnlineDPOTrainer as OnlineDPOTrainer
+        from async_rlhf import AsyncOnlineDPOConfig as OnlineDPOConfig
+        from async_rlhf import AsyncOnlineDPOTrainer as OnlineDPOTrainer
     return types.SimpleNamespace(name=name, OnlineDPOConfig=OnlineDPOConfig, OnlineDPOTrainer=OnlineDPOTrainer)
 
 

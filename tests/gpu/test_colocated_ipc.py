@@ -75,8 +75,8 @@ def test_a_colocated_run_trains_on_one_gpu(tmp_path):
 def test_cuda_learners_leave_cudnn_attention_off_unless_asked(tmp_path, tiny_run_config):
     """cuDNN's attention plans anew for every sequence shape (most of a learner step on the built-in task, measured
     on an H100); the learner turns it off unless `cudnn_attention` asks for it."""
-    from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
     from async_rlhf.data.tiny_model import save_tiny_model
+    from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
     from async_rlhf.trainers.online_dpo import AsyncOnlineDPOTrainer
 
     model_dir = save_tiny_model(str(tmp_path / "model"))

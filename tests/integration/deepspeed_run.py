@@ -50,6 +50,7 @@ def _held(model) -> dict:
 
 def train_and_check(args) -> None:
     import torch
+
     from async_rlhf import AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer, AsyncRLOOConfig, AsyncRLOOTrainer
     from async_rlhf.data.tiny_model import save_tiny_model
     from async_rlhf.data.toy_task import lowercase_reward, toy_prompts

@@ -39,9 +39,9 @@ def main() -> None:
     from transformers import Trainer, TrainerCallback
 
     from async_rlhf import AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer
-    from async_rlhf.learner import checkpointing
     from async_rlhf.data.tiny_model import save_tiny_model
     from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
+    from async_rlhf.learner import checkpointing
 
     config = AsyncOnlineDPOConfig(
         output_dir=a.out, max_steps=a.max_steps, per_device_train_batch_size=2, num_generations=2, max_new_tokens=6,

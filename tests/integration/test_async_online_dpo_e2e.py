@@ -13,7 +13,6 @@ import os
 from pathlib import Path
 
 import pytest
-
 from run_records import check_staleness_records
 from session_run import ROOT, run_in_own_session
 

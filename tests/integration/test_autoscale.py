@@ -16,11 +16,11 @@ import json
 
 import pytest
 from datasets import Dataset
+from run_records import check_staleness_records
 
 from async_rlhf import AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer
 from async_rlhf.data.toy_task import lowercase_reward
 from async_rlhf.pipeline.prompt_stream import PromptStream
-from run_records import check_staleness_records
 
 # long steps take ~0.45 s here: 100 of them outlast a generator's start (5 s idle, 20-30 s at load 5 on 2 cores)
 PROMPTS_PER_STEP, LONG_STEPS, SHORT_STEPS, LONG, SHORT = 8, 100, 12, 40, 1
@@ -90,7 +90,8 @@ def test_generator_joins_when_learner_waits_and_retires_when_idle(tmp_path, tiny
 
 @pytest.mark.slow
 def test_ray_actor_generators_join_and_retire(tmp_path, tiny_model_dir):
-    from async_rlhf.config.checks import RAY_INSTALL_HINT as INSTALL_HINT, ray_installed
+    from async_rlhf.config.checks import RAY_INSTALL_HINT as INSTALL_HINT
+    from async_rlhf.config.checks import ray_installed
 
     if not ray_installed():
         pytest.skip(f"Ray is not installed (an optional extra: {INSTALL_HINT})")

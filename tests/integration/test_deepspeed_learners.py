@@ -8,7 +8,7 @@ ZeRO-2 run is the online DPO recipe itself, as the README launches it.
 
 Wall times measured under pytest on the shared 2-core machine (load average 7-15 from other jobs; expect less on an
 idle one), DeepSpeed's CPU ops already compiled (the first DeepSpeed run on a machine JIT-builds
-`deepspeed_shm_comm`, about 3 minutes more; see docs/architecture.md):
+`deepspeed_shm_comm`, about 3 minutes more; see docs/performance.md):
   ZeRO-3 online DPO + sync check: 311 s (slow) | ZeRO-3 RLOO + reward model + sync check: 260 s (slow)
   ZeRO-2 online DPO recipe: 176 s (slow)
 """
@@ -21,7 +21,6 @@ import os
 import time
 
 import pytest
-
 from run_records import check_staleness_records
 from session_run import run_in_own_session
 

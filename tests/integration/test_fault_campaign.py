@@ -1,7 +1,7 @@
 """The fault campaign's quick form (`benchmarks/faults.py --quick`): a few runs killed with SIGKILL at random moments
 (learner rank 0, a generator, the whole launch; before the first step, mid-generation, mid weight sync, mid
 checkpoint), each resumed and compared step by step with an uninterrupted run of the same seed. The full campaign
-(at least 30 trials, with 2-rank launches) is run by hand: see docs/architecture.md."""
+(at least 30 trials, with 2-rank launches) is run by hand: see docs/performance.md."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from session_run import ROOT
 
 

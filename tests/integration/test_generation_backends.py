@@ -17,9 +17,9 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
+from async_rlhf.data.tiny_model import char_tokenizer, save_tiny_model, tiny_llama
 from async_rlhf.generation.engine import load_backend
 from async_rlhf.generation.engine.hf_backend import HFBackend
-from async_rlhf.data.tiny_model import char_tokenizer, save_tiny_model, tiny_llama
 from async_rlhf.types import Completion, SamplingSettings, WeightUpdate
 
 EOS = char_tokenizer().eos_token_id

@@ -14,7 +14,6 @@ import time
 
 import psutil
 import pytest
-
 from generator_parent import request, start_generator, wait_until_rollout_is_sent
 from session_run import ROOT, log_tail, start_logged
 
@@ -117,8 +116,8 @@ def test_a_generator_killed_holding_its_outbox_lock_is_replaced_by_one_that_deli
     import multiprocessing as mp
     import queue as queue_module
 
-    from async_rlhf.generation.pool.local import GeneratorPool
     from async_rlhf.generation.engine.worker import GeneratorSpec
+    from async_rlhf.generation.pool.local import GeneratorPool
 
     spec = GeneratorSpec(generator_id=0, backend="transformers", model_path=tiny_model_dir, device="cpu", seed=0,
                          threads=1, log_path=str(tmp_path / "generator-0.log"))

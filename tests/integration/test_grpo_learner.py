@@ -9,13 +9,13 @@ import os
 
 import pytest
 import torch
+from run_records import check_staleness_records
 
 from async_rlhf import AsyncGRPOConfig, AsyncGRPOTrainer
 from async_rlhf.data.loaders import GSM8K, gsm8k_reward, load_prompt_dataset
 from async_rlhf.learner.logprobs import completion_batch, token_logps
 from async_rlhf.scoring.rewards import score_rows
 from async_rlhf.types import Completion, RolloutBatch
-from run_records import check_staleness_records
 
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "datasets", "gsm8k.jsonl")
 STEPS = 4

@@ -19,15 +19,15 @@ import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
+from session_run import ROOT, own_port, start_logged, wait_for
 from transformers import TrainerCallback
 
 from async_rlhf import AsyncOnlineDPOTrainer
-from async_rlhf.learner.checkpointing import COMPLETE_MARKER, latest_complete_checkpoint, load_pipeline_state
-from async_rlhf.errors import CheckpointError
-from async_rlhf.errors import GeneratorFailed
-from async_rlhf.pipeline.prompt_stream import PromptStream
 from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
-from session_run import ROOT, own_port, start_logged, wait_for
+from async_rlhf.errors import CheckpointError, GeneratorFailed
+from async_rlhf.learner.checkpointing import COMPLETE_MARKER, latest_complete_checkpoint, load_pipeline_state
+from async_rlhf.pipeline.prompt_stream import PromptStream
+
 FAULT_RUN = os.path.join(ROOT, "tests/integration/fault_run.py")
 ENV = {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 

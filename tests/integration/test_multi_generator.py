@@ -4,10 +4,10 @@ and the staleness bound holds across all of them."""
 from __future__ import annotations
 
 import pytest
+from run_records import check_staleness_records
 
 from async_rlhf import AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer
 from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
-from run_records import check_staleness_records
 
 
 @pytest.mark.parametrize("staleness,backend", [(0, "transformers"), (1, "vllm"),
@@ -35,7 +35,7 @@ def test_two_generators_share_each_batch_and_track_every_version(tmp_path, tiny_
 
         records = [json.loads(line) for line in (tmp_path / "trained_batches.jsonl").read_text().splitlines()]
         assert all(len(r["prompt_ids"]) == 5 for r in records)
-        assert trainer.pipeline.imbalance.batches == steps  # one imbalance figure per streamed batch
+        assert trainer.pipeline.records.imbalance.batches == steps  # one imbalance figure per streamed batch
         assert trainer.pipeline.scoring.seconds > 0  # rank 0 scored the groups as they arrived
         assert all(m.get("scoring/hidden_fraction", 0) >= 0 for m in trainer.state.log_history)
 

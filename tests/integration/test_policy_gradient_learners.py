@@ -6,11 +6,17 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from async_rlhf import (AsyncBestOfNConfig, AsyncBestOfNTrainer, AsyncPPOConfig, AsyncPPOTrainer, AsyncRLOOConfig,
-                        AsyncRLOOTrainer)
-from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
 from run_records import check_staleness_records
+
+from async_rlhf import (
+    AsyncBestOfNConfig,
+    AsyncBestOfNTrainer,
+    AsyncPPOConfig,
+    AsyncPPOTrainer,
+    AsyncRLOOConfig,
+    AsyncRLOOTrainer,
+)
+from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
 
 STEPS = 5
 LEARNERS = {

@@ -21,14 +21,14 @@ import threading
 import time
 
 import pytest
+from run_records import check_staleness_records
+from session_run import stop_group
 
 from async_rlhf import AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer
 from async_rlhf.data.tiny_model import save_tiny_model
 from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
 from async_rlhf.errors import GeneratorFailed
 from async_rlhf.generation.serve import READY_LINE, TOKEN_ENV
-from run_records import check_staleness_records
-from session_run import stop_group
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -14,13 +14,13 @@ import time
 
 import pytest
 import torch
+from stop_at import StopAt
 
 from async_rlhf import AsyncOnlineDPOTrainer
-from async_rlhf.learner.checkpointing import COMPLETE_MARKER, latest_complete_checkpoint
-from async_rlhf.errors import CheckpointError
-from async_rlhf.pipeline.prompt_stream import PromptStream
 from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
-from stop_at import StopAt
+from async_rlhf.errors import CheckpointError
+from async_rlhf.learner.checkpointing import COMPLETE_MARKER, latest_complete_checkpoint
+from async_rlhf.pipeline.prompt_stream import PromptStream
 
 STEPS = 40
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -10,16 +10,14 @@ import time
 
 import psutil
 import pytest
+from run_records import check_staleness_records
+from session_run import ROOT, log_tail, start_logged, wait_for
 from transformers import TrainerCallback
 
 from async_rlhf import AsyncOnlineDPOTrainer
-from async_rlhf.learner.checkpointing import latest_complete_checkpoint
-from async_rlhf.errors import GeneratorFailed
-from async_rlhf.errors import RewardError
-from async_rlhf.errors import StageTimeout
 from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
-from run_records import check_staleness_records
-from session_run import ROOT, log_tail, start_logged, wait_for
+from async_rlhf.errors import GeneratorFailed, RewardError, StageTimeout
+from async_rlhf.learner.checkpointing import latest_complete_checkpoint
 
 
 def generator_processes() -> list[psutil.Process]:

@@ -9,7 +9,6 @@ import sys
 
 import pytest
 from safetensors import safe_open
-
 from session_run import ROOT, run_in_own_session
 
 pytestmark = [

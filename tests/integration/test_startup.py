@@ -14,12 +14,11 @@ import pytest
 from datasets import Dataset
 
 from async_rlhf import AsyncOnlineDPOTrainer
-from async_rlhf.generation.pool import backend_choice
-from async_rlhf.generation.pool import backend_probe
+from async_rlhf.generation.engine.worker import generator_specs
+from async_rlhf.generation.pool import backend_choice, backend_probe
 from async_rlhf.generation.pool.backend_probe import Workload, measure_backend
 from async_rlhf.generation.pool.early_start import adopt_or_close
 from async_rlhf.generation.pool.local import GeneratorPool
-from async_rlhf.generation.engine.worker import generator_specs
 from async_rlhf.types import SamplingSettings
 
 PROMPTS = Dataset.from_dict({"prompt": ["abc", "def", "ghi", "jkl", "mno", "pqr"]})

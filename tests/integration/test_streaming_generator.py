@@ -17,14 +17,14 @@ import queue
 
 import pytest
 import torch
+from pool_answers import Answers
 from transformers import AutoModelForCausalLM
 
 from async_rlhf.data.tiny_model import char_tokenizer, tiny_llama
-from async_rlhf.generation.pool.local import GeneratorPool
 from async_rlhf.generation.engine.worker import GeneratorSpec
+from async_rlhf.generation.pool.local import GeneratorPool
 from async_rlhf.types import GenerationRequest, SamplingSettings
 from async_rlhf.weight_sync import ShmWeightTransport
-from pool_answers import Answers
 
 PROMPT = [2, 40, 41, 42]
 LONG = SamplingSettings(max_new_tokens=200, temperature=1.0, n=1, seed=1)  # seed 1: no EOS within 200 under v0

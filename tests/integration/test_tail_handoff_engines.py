@@ -10,15 +10,15 @@ import queue
 
 import pytest
 import torch
+from pool_answers import Answers
 from transformers import AutoModelForCausalLM
 
 from async_rlhf.data.tiny_model import char_tokenizer, tiny_llama
-from async_rlhf.generation.pool.local import GeneratorPool
 from async_rlhf.experimental.tail_migration import TailMigration
 from async_rlhf.generation.engine.worker import GeneratorSpec
+from async_rlhf.generation.pool.local import GeneratorPool
 from async_rlhf.types import GenerationRequest, SamplingSettings
 from async_rlhf.weight_sync import ShmWeightTransport
-from pool_answers import Answers
 
 PROMPT = [2, 40, 41, 42]
 ATOL = 1e-4  # float32 on both sides
@@ -42,9 +42,9 @@ def test_a_tail_request_moves_to_the_other_generator_mid_sample(tmp_path, tiny_m
     got: queue.Queue = queue.Queue()
     transport = ShmWeightTransport(str(tmp_path))
     pool = GeneratorPool(specs, got.put, start_timeout=300, weight_sync_timeout=120, max_restarts=0)
-    pool.tail = TailMigration(2)  # hand over once at most 2 requests of a batch are left, on 2 generators
+    pool.scheduling = tail = TailMigration(2)  # hand over once at most 2 requests of a batch are left, on 2 generators
     arrived = Answers(pool, got, key=lambda r: (r.batch_id, r.chunk),  # (batch, chunk) -> its rollouts
-                      context=lambda: f" (hand-overs sent {pool.tail.handoffs}, answered {sorted(arrived)})")
+                      context=lambda: f" (hand-overs sent {tail.handoffs}, answered {sorted(arrived)})")
     wait_for = arrived.wait_for
 
     long = SamplingSettings(max_new_tokens=200, temperature=1.0, n=1, seed=1)  # seed 1: no EOS within 200 under v0
@@ -64,8 +64,8 @@ def test_a_tail_request_moves_to_the_other_generator_mid_sample(tmp_path, tiny_m
             pool.send_request(0, request(batch, 0, long))
             pool.send_request(1, request(batch, 1, long))
             pool.send_request(1, request(batch, 2, short))
-            wait_for(lambda: pool.tail.moved == 1 or answered(batch), "the hand-over of chunk 1")
-            if pool.tail.moved == 1:
+            wait_for(lambda: tail.moved == 1 or answered(batch), "the hand-over of chunk 1")
+            if tail.moved == 1:
                 break
         pool.send_weights(transport.publish(dict(new.state_dict()), 1))  # the moved sample goes on under v1
         wait_for(lambda: answered(batch), f"batch {batch}'s three chunks")
@@ -73,16 +73,16 @@ def test_a_tail_request_moves_to_the_other_generator_mid_sample(tmp_path, tiny_m
         pool.close()
         transport.close()
 
-    assert pool.tail.moved == 1 and pool.tail.handoffs >= 1, (pool.tail.handoffs, pool.tail.moved)
-    assert pool.tail.moved_tokens > 0, "the request moved before any token was sampled"
+    assert tail.moved == 1 and tail.handoffs >= 1, (tail.handoffs, tail.moved)
+    assert tail.moved_tokens > 0, "the request moved before any token was sampled"
     moved = arrived[batch, 1]
     assert moved.generator_id == 0, "the moved request was answered by the generator it was moved to"
     assert moved.policy_version == 0  # its oldest token: what the staleness bound sees
     sample = moved.completions[0][0]
-    assert len(sample.logprobs) == len(sample.token_ids) > pool.tail.moved_tokens  # it went on after the move
+    assert len(sample.logprobs) == len(sample.token_ids) > tail.moved_tokens  # it went on after the move
     starts = sample.version_starts  # v1 loads after the move, unless the sample ended before that
     assert [v for v, _ in starts] in ([0], [0, 1]) and starts[0] == [0, 0], starts
-    assert len(starts) == 1 or starts[1][1] >= pool.tail.moved_tokens, starts
+    assert len(starts) == 1 or starts[1][1] >= tail.moved_tokens, starts
     bounds = [t for _, t in starts[1:]] + [len(sample.token_ids)]
     got_lp = torch.tensor(sample.logprobs)
     for (v, a), b in zip(starts, bounds):  # v0: sampled on generator 1, then on 0; v1: on 0 after the update

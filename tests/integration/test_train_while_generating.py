@@ -13,14 +13,14 @@ import json
 import time
 
 import pytest
+from run_records import check_staleness_records
+from stop_at import StopAt
 from transformers import TrainerCallback
 
 from async_rlhf import AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer
-from async_rlhf.learner.checkpointing import PIPELINE_FILE
 from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
+from async_rlhf.learner.checkpointing import PIPELINE_FILE
 from async_rlhf.pipeline.prompt_stream import PromptStream
-from run_records import check_staleness_records
-from stop_at import StopAt
 
 pytest.importorskip("vllm")
 

@@ -15,10 +15,10 @@ import time
 import pytest
 import torch
 from safetensors.torch import save_file
+from session_run import stop_group
 
 from async_rlhf.data.tiny_model import char_tokenizer, tiny_llama
 from async_rlhf.types import WeightUpdate
-from session_run import stop_group
 
 requests = pytest.importorskip("requests")
 pytest.importorskip("vllm")

@@ -14,12 +14,12 @@ How it ends, always (it must never outlive learner rank 0 and hold its engine an
   learner stops reading before it sends `Shutdown`). Only an error report is flushed first, for at most
   `FLUSH_SECONDS` (the learner reads it while it runs);
 * when its parent dies: on Linux the kernel SIGKILLs it (`prctl(PR_SET_PDEATHSIG)`, set first thing, so also while
-  the engine starts or samples; the parent is the thread that spawned it, which `pool.py` keeps to the main thread).
+  the engine starts or samples; the parent is the thread that spawned it, which `generation/pool/local.py` keeps to the main thread).
   SIGKILL, because nothing else is sure to end it; the engine is not closed then, its memory (device memory
   included) is freed with the process. Elsewhere it notices within a second while idle and leaves as after
   `Shutdown`;
 * it ignores SIGINT and SIGTERM: Ctrl-C and `kill -TERM -<group>` reach the whole process group, and the learner,
-  which handles them (checkpoint, then stop), stops its generators itself. `pool.py` escalates to SIGKILL.
+  which handles them (checkpoint, then stop), stops its generators itself. `generation/pool/local.py` escalates to SIGKILL.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ On a CPU the faster backend depends on the model and the machine: for the built-
 the transformers generator starts in 4 s and vLLM in 10-15 s (most of it importing vLLM), and both then sample a step
 in about the same time, so transformers wins a 100-step run; for a larger policy vLLM's faster sampling would pay for
 its start. So the choice is measured, not assumed: each backend runs in a real generator process started exactly as a
-run starts it (`pool.py`, the run's engine settings and threads), its start (spawn -> engine up) is timed, then it
+run starts it (`generation/pool/local.py`, the run's engine settings and threads), its start (spawn -> engine up) is timed, then it
 samples `ROUNDS` steps of the run's first prompts (the median of all but the first is its step time; what the first took
 beyond that is its warm-up, vLLM's first batch: 3 s on the built-in task). A run's generation time is predicted as
 start + warm-up + steps x step time, the step time scaled from the probed step to the run's by samples x
@@ -32,11 +32,10 @@ import statistics
 import tempfile
 import time
 
-from async_rlhf.generation.pool.placement import engine_kwargs
-from async_rlhf.generation.pool.local import GeneratorPool
-from async_rlhf.errors import GeneratorFailed
+from async_rlhf.errors import GeneratorFailed, StageTimeout
 from async_rlhf.generation.engine.worker import GeneratorSpec
-from async_rlhf.errors import StageTimeout
+from async_rlhf.generation.pool.local import GeneratorPool
+from async_rlhf.generation.pool.placement import engine_kwargs
 from async_rlhf.types import GenerationRequest, SamplingSettings
 
 PROBE_TIMEOUT = 300.0  # seconds, per backend start and per round: vLLM took 15-25 s to start under a load of 5-8

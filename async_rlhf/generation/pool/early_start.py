@@ -13,9 +13,9 @@ Spawned early only with `generator_early_start` (the recipes set it; a trainer b
 nothing) and where the start is known before models load: rank 0, local generator processes (not
 `generator_servers`, not Ray actors), a policy given as a local directory, its dtype predicted from
 `model_init_kwargs` or its config, and no `resume_from_checkpoint` in the config (a resumed run starts from the
-checkpoint's weights). Waits stay bounded and failures named as before (`pool.py`): `generator_start_timeout` counts from the spawn, and a generator that fails to
+checkpoint's weights). Waits stay bounded and failures named as before (`generation/pool/local.py`): `generator_start_timeout` counts from the spawn, and a generator that fails to
 start is reported, naming it, when the pipeline starts. A trainer never trained closes its early generators when it
-is garbage-collected or at exit (`pool.py`'s finalizer).
+is garbage-collected or at exit (`generation/pool/local.py`'s finalizer).
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from __future__ import annotations
 import logging
 import os
 
+from async_rlhf.data.prompts import prompt_text
+from async_rlhf.generation.engine.worker import GeneratorSpec, generator_specs
 from async_rlhf.generation.pool.backend_choice import resolve_generator_backend
 from async_rlhf.generation.pool.backend_probe import ROUNDS, Workload
-from async_rlhf.generation.pool.placement import engine_kwargs
 from async_rlhf.generation.pool.local import GeneratorPool
-from async_rlhf.generation.engine.worker import GeneratorSpec, generator_specs
-from async_rlhf.data.prompts import prompt_text
+from async_rlhf.generation.pool.placement import engine_kwargs
 from async_rlhf.pipeline.prompt_stream import total_steps
 from async_rlhf.types import SamplingSettings
 

@@ -25,7 +25,6 @@ import math
 import threading
 from typing import Any
 
-from async_rlhf.config.checks import base_url
 from async_rlhf.types import Completion, SamplingSettings
 
 CLAMPED_LOGPROB = -9999.0  # vLLM's OpenAI layer writes max(logprob, -9999.0)

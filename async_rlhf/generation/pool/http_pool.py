@@ -1,5 +1,5 @@
 """Generators that are vLLM servers started on their own (`python -m async_rlhf.generation.serve`), driven over
-HTTP. Lives on learner rank 0 and implements `pool_protocol.GeneratorPoolProtocol`, so the pipeline, the staleness
+HTTP. Lives on learner rank 0 and implements `pipeline/generator_pool.GeneratorPoolProtocol`, so the pipeline, the staleness
 queue and the admission rule work unchanged.
 
 Threads: the pool owns one thread running one asyncio event loop; every HTTP call and all per-server state live
@@ -44,11 +44,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from async_rlhf.config.checks import base_url
+from async_rlhf.errors import GeneratorFailed, StageTimeout
 from async_rlhf.generation.pool import http_client
 from async_rlhf.generation.pool.http_client import ServerError, Unauthorized, WeightSyncClient
 from async_rlhf.pipeline.generator_pool import AckTracker
-from async_rlhf.errors import GeneratorFailed
-from async_rlhf.errors import StageTimeout
 from async_rlhf.types import GenerationRequest, RolloutBatch, WeightUpdate
 
 logger = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ class HTTPGeneratorPool:
                  initial_version: int, start_timeout: float, weight_sync_timeout: float, request_timeout: float,
                  token: str = "", min_model_len: int = 0, weight_load: str = "drain"):
         self.addresses = list(addresses)
-        self.urls = [http_client.base_url(a) for a in self.addresses]
+        self.urls = [base_url(a) for a in self.addresses]
         self.on_rollouts = on_rollouts
         self.transport = transport  # ShmWeightTransport: publishes the starting policy when one must be pushed
         self.model_dir = model_dir

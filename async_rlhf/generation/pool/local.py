@@ -49,19 +49,18 @@ import threading
 import time
 from typing import Callable
 
-from async_rlhf.pipeline.generator_pool import AckTracker
-from async_rlhf.errors import GeneratorFailed
-from async_rlhf.generation.pool.processes import ProcessLauncher, kill_all, see_log, stop_process
-from async_rlhf.experimental.tail_migration import TailMigration
+from async_rlhf.errors import GeneratorFailed, StageTimeout
 from async_rlhf.generation.engine.worker import GeneratorSpec
-from async_rlhf.errors import StageTimeout
+from async_rlhf.generation.pool.processes import ProcessLauncher, kill_all, see_log, stop_process
+from async_rlhf.generation.pool.scheduling import FixedGenerators, GeneratorScheduling
+from async_rlhf.pipeline.generator_pool import AckTracker
 from async_rlhf.types import GenerationRequest, RolloutBatch, Shutdown, TailHandoff, WeightUpdate
 
 logger = logging.getLogger(__name__)
 
 
 class GeneratorPool:
-    """Generator processes on this machine (see `pool_protocol.GeneratorPoolProtocol`)."""
+    """Generator processes on this machine (see `pipeline/generator_pool.GeneratorPoolProtocol`)."""
 
     def __init__(self, specs: list[GeneratorSpec], on_rollouts: Callable[[RolloutBatch], None] | None,
                  start_timeout: float, weight_sync_timeout: float, max_restarts: int = 3, launcher=None):
@@ -87,7 +86,7 @@ class GeneratorPool:
         self.restarts = {s.generator_id: 0 for s in self.specs}
         self._in_flight: dict[int, dict[tuple[int, int], GenerationRequest]] = {s.generator_id: {} for s in self.specs}
         self._last_update: WeightUpdate | None = None
-        self.tail = TailMigration(0)  # `tail_migration`: set by `pools.make_pool` before `start`
+        self.scheduling: GeneratorScheduling = FixedGenerators()  # set by `choice.make_pool` before `start`
         self._starting: dict[int, float] = {}  # generator -> time a restart was spawned (until Ready)
         self._errors: dict[int, str] = {}  # generator -> last error reported
         self._lock = threading.Lock()
@@ -279,17 +278,17 @@ class GeneratorPool:
             self._in_flight[generator_id][(request.batch_id, request.chunk)] = request
             self.inboxes[generator_id].put(request)
 
-    # ---- tail migration (reader thread; `tail.py`) --------------------------------------------------------
+    # ---- hand-overs of requests between generators (reader thread; `scheduling.py`) -------------------------
     def _hand_over_tail(self, batch_id: int) -> None:
         with self._lock:
-            for holder, (b, chunk), _ in self.tail.plan(batch_id, self._in_flight, self._starting):
+            for holder, (b, chunk), _ in self.scheduling.plan_handoffs(batch_id, self._in_flight, self._starting):
                 self.inboxes[holder].put(TailHandoff(b, chunk))
 
     def _migrated(self, msg) -> None:
         """A holder gave a request back mid-way: it goes on on the hand-over's target (in flight there from now)."""
         key = (msg.request.batch_id, msg.request.chunk)
         with self._lock:
-            target = self.tail.arrived(key, msg.tokens)
+            target = self.scheduling.handoff_arrived(key, msg.tokens)
             if target is None or self._in_flight[msg.generator_id].pop(key, None) is None:
                 return
             self._in_flight[target][key] = msg.request
@@ -370,7 +369,7 @@ class GeneratorPool:
                     if fresh:
                         count, oldest = self.answered.get(msg.generator_id, [0, msg.policy_version])
                         self.answered[msg.generator_id] = [count + 1, min(oldest, msg.policy_version)]
-                        self.tail.answered((msg.batch_id, msg.chunk))
+                        self.scheduling.answered((msg.batch_id, msg.chunk))
                 if fresh:
                     self.on_rollouts(msg)
                     self._hand_over_tail(msg.batch_id)

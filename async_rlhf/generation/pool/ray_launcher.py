@@ -17,7 +17,7 @@ What changes against the default launcher (`processes.ProcessLauncher`) is only 
   A generator that returned (Shutdown, or its error report) is killed to free its CPUs or GPU. `close` shuts down
   Ray if this process started it.
 
-The trainer still owns admission, versions and restarts (`pool.py`); Ray owns where actors run. No cluster manager
+The trainer still owns admission, versions and restarts (`generation/pool/local.py`); Ray owns where actors run. No cluster manager
 of ours: to use a cluster, start Ray there (`ray start --head`, `ray start --address ...`) and set `RAY_ADDRESS`.
 """
 
@@ -30,6 +30,7 @@ import os
 import queue
 import threading
 import time
+
 
 def make_launcher(args):
     """The launcher `args.generator_launcher` names; None for the default (`processes.ProcessLauncher`)."""

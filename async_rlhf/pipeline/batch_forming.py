@@ -1,0 +1,112 @@
+"""How a step's batch is formed on learner rank 0 from the parts the generators return: the seam for the optional
+batch schedules.
+
+`WholeBatches` is the core's schedule: batch b is the prompts `PromptStream.prompts_for_step(b)` names, sent once
+admission allows it (queued version >= b - max_staleness), reassembled from its parts (chunks, or prompt groups when
+streaming), and put in the staleness queue; step b waits for it and regenerates it if it arrived too stale. Its
+micro-batches are slices of it in prompt order, shared with the other learner ranks in one broadcast per step.
+
+Optional schedules (`experimental/`) implement the same methods: `partial_rollouts.PartialBatches` (a step closes
+on the first finished groups within the bound) and `arrival_order.ArrivalOrderBatches` (`train_while_generating`:
+micro-batches in arrival order). Which one a run gets is decided above this layer (`experimental/schedules.py`).
+
+The schedule works for the pipeline (`rollout_pipeline.RolloutPipeline`, its `owner`), whose queue, sending,
+liveness check and records it uses. Threads: `arrived` runs on the reader thread (or the scoring thread when parts
+are scored as they arrive); everything else on rank 0's main thread.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from async_rlhf.errors import CheckpointError
+from async_rlhf.types import RolloutBatch
+
+
+class BatchForming(Protocol):
+    per_micro_batch: bool  # True: `take_micro` forms each micro-batch (one broadcast each); False: slices of `take`
+
+    def restore(self, version: int, pending: list[RolloutBatch], counters: dict) -> None: ...
+
+    def counters(self) -> dict: ...
+
+    def pending(self, step: int) -> list[RolloutBatch]: ...
+
+    def dispatch(self) -> None: ...
+
+    def arrived(self, part: RolloutBatch) -> bool: ...  # True: the part completed a batch (or stands alone)
+
+    def take(self, step: int) -> RolloutBatch: ...
+
+    def take_micro(self, step: int, micro: int, micro_batches: int, count: int) -> RolloutBatch: ...
+
+    def stats(self) -> dict[str, float]: ...
+
+
+class WholeBatches:
+    """The core schedule (see the module docstring)."""
+
+    per_micro_batch = False
+
+    def __init__(self, owner):  # a `rollout_pipeline.RolloutPipeline`, which imports this module
+        self.p = owner
+        self.next_dispatch = 0  # next batch id to send
+        self._parts: dict[int, dict[int, RolloutBatch]] = {}  # batch id -> chunk -> rollouts (reader thread)
+
+    # ---- checkpoints -------------------------------------------------------------------------------------------
+    def restore(self, version: int, pending: list[RolloutBatch], counters: dict) -> None:
+        if version > 0 and counters.get("partial") is not None:
+            raise CheckpointError(
+                "resume_from_checkpoint: the checkpoint was saved with partial_rollouts on, this run has "
+                "partial_rollouts=0; resume with the setting it was saved with (rollouts in flight are kept "
+                "differently)")
+        self.next_dispatch = version
+        for batch in pending:
+            if batch.batch_id >= version:
+                self.p.queue.put(batch)
+
+    def counters(self) -> dict:
+        return {}
+
+    def pending(self, step: int) -> list[RolloutBatch]:
+        return [b for b in self.p.queue.pending() if b.batch_id >= step]
+
+    # ---- main thread -------------------------------------------------------------------------------------------
+    def dispatch(self) -> None:
+        """Send every batch that admission allows now (batch c once the queued version >= c - max_staleness)."""
+        p = self.p
+        while self.next_dispatch < p.total_steps and p.queue.admissible(self.next_dispatch, p.queued_version):
+            if self.next_dispatch not in p.queue:  # restored from a checkpoint: already generated
+                p.send(self.next_dispatch)
+            self.next_dispatch += 1
+
+    def take(self, step: int) -> RolloutBatch:
+        """Batch `step`, waiting at most `rollout_timeout`; regenerated with the current weights if too stale."""
+        p = self.p
+        while True:
+            self.dispatch()
+            batch = p.queue.get(step, learner_version=step, timeout=p.args.rollout_timeout, poll=p.check)
+            if batch is not None:
+                return batch
+            p.regenerated += 1
+            p.send(step)
+
+    def take_micro(self, step: int, micro: int, micro_batches: int, count: int) -> RolloutBatch:
+        raise NotImplementedError("whole batches are sliced by the pipeline (per_micro_batch is False)")
+
+    # ---- reader (or scoring) thread ----------------------------------------------------------------------------
+    def arrived(self, part: RolloutBatch) -> bool:
+        """Reassemble a batch from its parts; a complete batch goes into the staleness queue (returns True). Its
+        version is the oldest of its parts' (the staleness bound holds for every sample)."""
+        parts = self._parts.setdefault(part.batch_id, {})
+        parts[part.chunk] = part
+        if len(parts) < part.num_chunks:
+            return False
+        del self._parts[part.batch_id]
+        ordered = [parts[c] for c in range(part.num_chunks)]
+        self.p.records.batch_assembled(part.batch_id, ordered, self.p.pool_size)
+        self.p.queue.put(part if part.num_chunks == 1 else RolloutBatch.merged(part.batch_id, ordered))
+        return True
+
+    def stats(self) -> dict[str, float]:
+        return {}
