@@ -262,8 +262,9 @@ class AsyncRLConfig(TrainingArguments):
                                                                             "or JSON text)."})
     # ---- TRL 1.16 OnlineDPOConfig's generation fields: accepted under TRL's names; how each maps onto the fields
     # above, or why it cannot apply here (one warning lists those set), is in trl_fields.py ----------------------
-    use_vllm: bool | None = field(default=None, metadata={"help": "TRL: True sets generator_backend='vllm', False "
-                                                                   "'transformers'; None (default) leaves it."})
+    use_vllm: bool = field(default=False, metadata={"help": "TRL: True sets generator_backend='vllm'; False (TRL's "
+                                                            "default) leaves generator_backend ('auto' unless set; "
+                                                            "generator_backend='transformers' forces that)."})
     vllm_mode: str = field(default="colocate", metadata={"help": "TRL: 'colocate' (default): vLLM runs in our "
                            "generator processes on generator_devices, never inside a learner; 'server' with use_vllm: "
                            "generator_servers = vllm_server_base_url (or host:port), an async_rlhf.generation.serve."})
@@ -279,8 +280,9 @@ class AsyncRLConfig(TrainingArguments):
                                                                           "devices; nothing to free)."})
     generation_kwargs: dict | str | None = field(
         default=None, metadata={"help": "TRL: its keys temperature, top_p, top_k, min_p, repetition_penalty, "
-                                "max_new_tokens (or vLLM's max_tokens) override those fields; do_sample=False sets "
-                                "temperature 0 (greedy); other keys are not applied (warned)."})
+                                "max_new_tokens (or vLLM's max_tokens) override those fields; do_sample=False samples "
+                                "greedily (sampling_temperature 0; temperature keeps its value, as TRL's "
+                                "generation_config); other keys are not applied (warned)."})
     min_p: float | None = field(default=None, metadata={"help": "Drop tokens less likely than min_p x the most likely "
                                                                  "one (after temperature); None or 0: off (TRL)."})
     repetition_penalty: float = field(default=1.0, metadata={"help": "Logits of tokens already in the prompt or "
@@ -388,6 +390,15 @@ class AsyncRLConfig(TrainingArguments):
                 d == "cuda:0" for d in self.generator_devices):
             return "ipc"
         return "shm"
+
+    @property
+    def sampling_temperature(self) -> float:
+        """The temperature the generators sample at and the losses' ratios use: `temperature`, or 0 (greedy) where
+        TRL's `generation_kwargs` holds `do_sample=False` (`temperature` then keeps its value, as in TRL's
+        `generation_config`)."""
+        if (self.generation_kwargs or {}).get("do_sample") is False:
+            return 0.0
+        return self.temperature
 
     @property
     def streaming(self) -> bool:

@@ -95,6 +95,7 @@ class RolloutPipeline(PipelineRecords):
         self.load_seconds = 0.0  # generator-side weight loading, summed (kept after close)
         self.busy_seconds = 0.0  # generator-side sampling time, summed (kept after close; local generators only)
         self.loaded_versions: dict[int, int] = {}  # generator id -> last acknowledged version (kept after close)
+        self.pending_versions: dict[int, list[int]] = {}  # generator id -> versions it never acknowledged (after close)
         self.restarts = 0
         self._partial: dict[int, dict[int, RolloutBatch]] = {}  # batch id -> chunk -> rollouts (reader thread)
         self._sync_failure: GeneratorFailed | None = None  # a failed publish, raised by the next batch_for_step
@@ -174,6 +175,7 @@ class RolloutPipeline(PipelineRecords):
             self.load_seconds = sum(self.pool.acks.load_seconds)
             self.busy_seconds = sum(self.pool.acks.busy_seconds.values())
             self.loaded_versions = dict(self.pool.acks.loaded_version)
+            self.pending_versions = self.pool.acks.pending()  # sent, never acknowledged (close waited, bounded)
             self.restarts = sum(self.pool.restarts.values())
             self.pool = None
         if self.transport is not None:

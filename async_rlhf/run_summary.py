@@ -33,7 +33,8 @@ def build_summary(pipeline, args, accelerator, steps: int, wall: float, loop_sec
         "sync_load_seconds": stats.get("sync/load_seconds", 0.0),
         "sync_bytes": p.sync_bytes,
         "generators": len(args.generator_servers or args.generator_devices),  # at start (autoscale: see below)
-        "generator_versions": p.loaded_versions,
+        "generator_versions": p.loaded_versions,  # the run's end waits for every live generator's acknowledgement
+        "generator_versions_pending": p.pending_versions,  # ... and names here what it never got ({}: none)
         "generator_autoscale": p.autoscale,  # decisions and each generator's answers (generation/elastic.py); {}: off
         "generation_mode": "stream" if args.streaming else "batch",
         "generator_busy_seconds": p.busy_seconds,  # as of each generator's last weight acknowledgement
@@ -83,4 +84,5 @@ def format_summary(s: dict) -> str:
         f"staleness histogram (steps behind: batches) {{{hist}}} | bound {s['max_staleness']} | dropped "
         f"{s['dropped']} | regenerated {s['regenerated']} | rewards skipped {s['rewards_skipped']}",
         f"final: {final}",
-    ] + ([StartupTimeline.format(s["startup"])] if s.get("startup") else []) + ([format_feedback(s["plan"])] if s.get("plan") else []))
+    ] + ([f"weights never acknowledged (generator: versions): {s['generator_versions_pending']}"]
+         if s.get("generator_versions_pending") else []) + ([StartupTimeline.format(s["startup"])] if s.get("startup") else []) + ([format_feedback(s["plan"])] if s.get("plan") else []))

@@ -182,7 +182,7 @@ class AsyncTrainerBase(Trainer):
 
     def reference_temperature(self) -> float:
         """The loss's reference temperature (`sequence_terms`' `temperature`; online DPO and Best-of-N: 1)."""
-        return self.args.temperature
+        return self.args.sampling_temperature
 
     def fuses_reference(self) -> bool:
         """Rank 0's scoring thread computes the reference log-probs (`fused_reference.py`): fused scoring, a frozen
