@@ -15,15 +15,19 @@ FINAL_METRICS = ("objective/scores", "objective/kl", "objective/rlhf_reward", "l
 
 
 def build_summary(pipeline, args, accelerator, steps: int, wall: float, loop_seconds: float,
-                  rewards_skipped: int, last_metrics: dict[str, float]) -> dict:
+                  rewards_skipped: int, last_metrics: dict[str, float], eval_seconds: float = 0.0) -> dict:
+    """`loop_seconds`: the training loop as timed, periodic evaluations (`eval_seconds` of it) included; the summary's
+    `loop_seconds` and `train_seconds` are net of them."""
     p = pipeline
     stats = p.stats()
+    loop_seconds = max(0.0, loop_seconds - eval_seconds)
     summary = {
         "steps": steps,
         "prompts": steps * args.prompts_per_step,
         "samples": steps * args.prompts_per_step * args.num_generations,
         "wall_seconds": wall,
-        "loop_seconds": loop_seconds,
+        "loop_seconds": loop_seconds,  # net of periodic evaluations
+        "eval_seconds": eval_seconds,  # periodic evaluations during training (rank 0), off the loop's clock
         "generator_start_seconds": p.start_seconds,  # spawned -> ready (spawned while the trainer was built)
         "generator_start_wait_seconds": p.start_wait_seconds,  # of which the learner waited, in train()
         "generate_seconds": p.gen_seconds,
@@ -80,7 +84,8 @@ def format_summary(s: dict) -> str:
         "waited in train())",
         f"time: generating {s['generate_seconds']:.1f}s | training {s['train_seconds']:.1f}s | learner waiting "
         f"{s['wait_seconds']:.1f}s | syncing {s['sync_seconds']:.2f}s (+{s['sync_load_seconds']:.2f}s loading in "
-        f"generators, {s['sync_bytes'] / 1e6:.1f} MB)",
+        f"generators, {s['sync_bytes'] / 1e6:.1f} MB)" + (f" | evaluating {s['eval_seconds']:.1f}s (not in training)"
+                                                        if s.get("eval_seconds") else ""),
         f"staleness histogram (steps behind: batches) {{{hist}}} | bound {s['max_staleness']} | dropped "
         f"{s['dropped']} | regenerated {s['regenerated']} | rewards skipped {s['rewards_skipped']}",
         f"final: {final}",
