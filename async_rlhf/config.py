@@ -10,6 +10,7 @@ every field we declare (`config_checks.py`), then ranges and relations.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
@@ -369,6 +370,11 @@ class AsyncRLConfig(TrainingArguments):
         _require(self.generator_threads >= 1, "generator_threads", f"must be >= 1, got {self.generator_threads}")
         _require(self.learner_threads is None or self.learner_threads >= 1, "learner_threads",
                  f"must be >= 1 or None, got {self.learner_threads}")
+        if self.disable_tqdm is None and not sys.stderr.isatty():
+            # Piped or written to a file, tqdm's bar is one "\r"-separated redraw per step, blanked with spaces before
+            # every metric dict: viewers that break lines at "\r" (CI logs, `tee`d files) show a column of blank lines
+            # between the dicts. Off a terminal the dicts alone then, one a line (transformers' PrinterCallback).
+            self.disable_tqdm = True
         super().__post_init__()
 
     def cpu_learner_threads(self) -> int:
