@@ -79,7 +79,7 @@ def prepare(wheels: bool = True) -> dict:
             raise SystemExit(f"--prepare: pip download failed:\n{proc.stderr[-2000:]}")
         report["wheels"] = sorted(os.path.basename(w) for w in glob.glob(os.path.join(wheel_dir, "*.whl")))
     sys.path.insert(0, ROOT)
-    from async_rlhf.data.prepare import prepare_builtin
+    from async_rlhf.tasks.build_builtin import prepare_builtin
 
     paths = prepare_builtin(seed=0)  # builds it here if it is not built yet (minutes, once)
     task_dir = os.path.dirname(paths["manifest"])

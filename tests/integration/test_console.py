@@ -63,7 +63,7 @@ def test_generator_console_leaves_vllm_dist_ident_warning_in_the_log(tmp_path):
     pytest.importorskip("vllm")
     log = tmp_path / "generator-0.log"
     code = ("import os, sys; sys.path.insert(0, %r)\n"
-            "from async_rlhf.generation.process_log import route_output\n"
+            "from async_rlhf.generation.engine.process_log import route_output\n"
             "route_output(%r, 'generator-0')\n"
             "os.environ['VLLM_DIST_IDENT'] = 'abc'\n"
             "from vllm.platforms import current_platform\n"
