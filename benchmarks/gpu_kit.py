@@ -158,12 +158,14 @@ class Kit:
         with open(log_path, "a") as log:
             log.write(f"$ {' '.join(cmd)}\n")
             log.flush()
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            # in the kit's own process group (no new session): whatever ends the kit from outside (the device
+            # call's time limit) ends its runs too, which would otherwise hold the GPU until the machine goes back
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT)
             try:
                 proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                _kill_group(proc)
+                _kill_tree(proc.pid)
+                proc.wait()
                 raise
         text = open(log_path, errors="replace").read()
         if check and proc.returncode != 0:
@@ -182,14 +184,34 @@ class Kit:
                 tar.add(path, arcname=os.path.relpath(path, self.out))
 
 
-def _kill_group(proc) -> None:
-    import signal
+def _kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and every process below it (generators and learners of a timed-out run)."""
+    import psutil
 
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
+        root = psutil.Process(pid)
+        procs = root.children(recursive=True) + [root]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+
+
+def _on_signal(signum, frame) -> None:
+    """SIGTERM / SIGINT: end every run the kit started, then leave (the results so far are already saved)."""
+    _kill_tree_children()
+    raise SystemExit(128 + signum)
+
+
+def _kill_tree_children() -> None:
+    import psutil
+
+    for child in psutil.Process().children():
+        _kill_tree(child.pid)
 
 
 # ---- the parts ---------------------------------------------------------------------------------------------------
@@ -460,6 +482,10 @@ def main(argv: list[str] | None = None) -> dict | None:
         args.budget = 1800.0 if args.dry_run else 480.0
     if args.budget <= 0:
         p.error(f"--budget must be > 0, got {args.budget}")
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _on_signal)
     kit = Kit(args)
     fns = {"env": part_env, "pytest_gpu": part_pytest_gpu, "learner_step": part_learner_step,
            "colocated": part_colocated, "vs_trl": part_vs_trl}
