@@ -6,7 +6,7 @@
 
 Made for the lent H100 machine (torch with CUDA, transformers, accelerate and peft installed; no vLLM, no package
 registry, no network; 15 minutes of device time per task, the machine's start included): `--prepare` builds here, in
-`.gpu_kit/` (ignored by git, carried by the device call), what the machine lacks and this kit imports (`WHEELS`:
+`.gpu_kit/` (in .gitignore, carried by the device call), what the machine lacks and this kit imports (`WHEELS`:
 transformers at our pinned version, TRL and datasets with the two packages datasets needs that the machine's image
 does not hold) and the built-in task's prepared models (so the machine does not spend a minute building them), and
 says how much it is against the 64 MiB a call may carry. `scripts/gpu_check.sh` installs the wheels there and runs
@@ -46,7 +46,7 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KIT_DIR = os.path.join(ROOT, ".gpu_kit")  # what travels: wheels/ and cache/ (ignored by git; the call's `carry`)
+KIT_DIR = os.path.join(ROOT, ".gpu_kit")  # what travels: wheels/ and cache/ (in .gitignore; the call's `carry`)
 CARRY_LIMIT = 64 * 2**20  # bytes a device call may carry (the tree included)
 # what the machine's image lacks (or holds at another version) and this kit imports: our pins, none of their
 # dependencies the image already has (huggingface-hub 1.33, tokenizers 0.23.2, pyarrow, pandas, xxhash, fsspec)
@@ -60,13 +60,9 @@ TAIL = 3000  # characters of a failed part's output kept in the JSON
 
 
 # ---- preparation (here, before the call) -------------------------------------------------------------------------
-def prepare(wheels: bool = True) -> dict:
+def prepare(wheels: bool = True, task: bool = True) -> dict:
     """Fill `.gpu_kit/` with what travels; return what is there and whether it fits the carry limit."""
-    os.makedirs(KIT_DIR, exist_ok=True)
-    exclude = os.path.join(ROOT, ".git", "info", "exclude")
-    if os.path.isfile(exclude) and "/.gpu_kit/" not in open(exclude).read():
-        with open(exclude, "a") as f:
-            f.write("\n/.gpu_kit/\n")
+    os.makedirs(KIT_DIR, exist_ok=True)  # ignored by git (.gitignore): it travels only as the call's `carry`
     report = {"wheels": [], "cache": None}
     if wheels:
         wheel_dir = os.path.join(KIT_DIR, "wheels")
@@ -78,20 +74,21 @@ def prepare(wheels: bool = True) -> dict:
         if proc.returncode != 0:
             raise SystemExit(f"--prepare: pip download failed:\n{proc.stderr[-2000:]}")
         report["wheels"] = sorted(os.path.basename(w) for w in glob.glob(os.path.join(wheel_dir, "*.whl")))
-    sys.path.insert(0, ROOT)
-    from async_rlhf.tasks.build_builtin import prepare_builtin
+    if task:
+        sys.path.insert(0, ROOT)
+        from async_rlhf.tasks.build_builtin import prepare_builtin
 
-    paths = prepare_builtin(seed=0)  # builds it here if it is not built yet (minutes, once)
-    task_dir = os.path.dirname(paths["manifest"])
-    target = os.path.join(KIT_DIR, "cache", os.path.basename(task_dir))
-    shutil.rmtree(target, ignore_errors=True)
-    shutil.copytree(task_dir, target)
-    report["cache"] = os.path.relpath(target, ROOT)
+        paths = prepare_builtin(seed=0)  # builds it here if it is not built yet (minutes, once)
+        task_dir = os.path.dirname(paths["manifest"])
+        target = os.path.join(KIT_DIR, "cache", os.path.basename(task_dir))
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(task_dir, target)
+        report["cache"] = os.path.relpath(target, ROOT)
     sizes = {"kit": _size(KIT_DIR), "tree": _tree_size()}
     report.update(sizes, total=sizes["kit"] + sizes["tree"], limit=CARRY_LIMIT,
                   fits=sizes["kit"] + sizes["tree"] <= CARRY_LIMIT)
     print(f"prepared {os.path.relpath(KIT_DIR, ROOT)}: wheels {report['wheels'] or 'none'}; built-in task "
-          f"{report['cache']}; {sizes['kit'] / 2**20:.1f} MiB + the tree's {sizes['tree'] / 2**20:.1f} MiB = "
+          f"{report['cache'] or 'not carried (built on the machine: a minute or two of the loan)'}; {sizes['kit'] / 2**20:.1f} MiB + the tree's {sizes['tree'] / 2**20:.1f} MiB = "
           f"{report['total'] / 2**20:.1f} MiB of the {CARRY_LIMIT / 2**20:.0f} MiB a call carries: "
           f"{'fits' if report['fits'] else 'DOES NOT FIT'}")
     return report
@@ -471,10 +468,11 @@ def main(argv: list[str] | None = None) -> dict | None:
                         "machine's start and a rerun's margin; 1800 for a dry run on a shared CPU)")
     p.add_argument("--parts", nargs="+", choices=list(PARTS), default=list(PARTS))
     p.add_argument("--prepare", action="store_true", help="build .gpu_kit/ (wheels, the built-in task) and stop")
-    p.add_argument("--no_wheels", action="store_true", help="with --prepare: the built-in task only")
+    p.add_argument("--no_wheels", action="store_true", help="with --prepare: no wheels (the machine has them)")
+    p.add_argument("--no_task", action="store_true", help="with --prepare: no built-in task (built on the machine)")
     args = p.parse_args(argv)
     if args.prepare:
-        prepare(wheels=not args.no_wheels)
+        prepare(wheels=not args.no_wheels, task=not args.no_task)
         return None
     if not args.output_dir:
         p.error("--output_dir is required (unless --prepare)")

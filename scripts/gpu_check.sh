@@ -14,7 +14,14 @@ if [ "${1:-}" = --prepare ]; then
 fi
 out=${1:?usage: bash scripts/gpu_check.sh OUTPUT_DIR [gpu_kit.py flags] | --prepare}
 shift
-if ls .gpu_kit/wheels/*.whl >/dev/null 2>&1; then
+# the carried wheels, unless this Python already has the versions they hold (a development machine)
+if ls .gpu_kit/wheels/*.whl >/dev/null 2>&1 && ! "$python" - <<'PY' 2>/dev/null
+import glob, importlib.metadata as md, os
+for path in glob.glob(".gpu_kit/wheels/*.whl"):
+    name, version = os.path.basename(path).split("-")[:2]
+    assert md.version(name) == version
+PY
+then
   "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gpu_kit_site \
     .gpu_kit/wheels/*.whl || { echo "gpu_check: installing .gpu_kit/wheels failed" >&2; exit 1; }
   export PYTHONPATH=/tmp/gpu_kit_site${PYTHONPATH:+:$PYTHONPATH}
