@@ -73,7 +73,7 @@ class AsyncRLConfig(TrainingArguments):
                   "can, vLLM on GPU, and on CPU the one measured faster for this run (both timed on the policy once "
                   "per machine, cached; generation/pool/backend_probe.py), with one line giving the figures. The trainer "
                   "decides when it is built, before any generator starts, and writes the choice here. TRL's "
-                  "use_vllm=True/False sets 'vllm'/'transformers'."},
+                  "use_vllm=True sets 'vllm' (False, TRL's default, leaves it)."},
     )
     generation_mode: str = field(
         default="auto",
