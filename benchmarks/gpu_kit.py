@@ -423,7 +423,7 @@ def markdown(results: dict) -> str:
             row(name, "length buckets + shared prefixes pay from", f"{pays / 1e6:.1f}M parameters" if pays else
                 "no size timed")
         elif name == "colocated":
-            row(name, "policy", f"{p['model_parameters'] / 1e6:.0f}M parameters, {p['steps']} steps, weights over "
+            row(name, "policy", f"{p['model_parameters'] / 1e6:.1f}M parameters, {p['steps']} steps, weights over "
                                 f"{p['weight_transport']}")
             row(name, "weight sync, s per GB (publish + generator load)", _num(p["sync_seconds_per_gb"]))
             row(name, "transformers generator, tokens/s", _num(p["generator_tokens_per_s"], 0))
