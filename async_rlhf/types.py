@@ -42,7 +42,7 @@ class SamplingSettings:
     @classmethod
     def from_config(cls, args) -> SamplingSettings:
         """A run's settings, from its config (`AsyncRLConfig`: TRL's names)."""
-        return cls(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+        return cls(max_new_tokens=args.max_new_tokens, temperature=args.sampling_temperature, top_p=args.top_p,
                    top_k=args.top_k if args.top_k > 0 else -1, n=args.num_generations, seed=args.seed,
                    min_p=args.min_p or 0.0, repetition_penalty=args.repetition_penalty)
 

@@ -3,6 +3,7 @@
     python benchmarks/learner_step.py                    # 32 prompts x 2 samples, 1 thread (the learner's share)
     python benchmarks/learner_step.py --n 4 --threads 2 --repeats 10
     python benchmarks/learner_step.py --device cuda --bf16  # on the first GPU, under bf16 autocast as --bf16 trains
+    python benchmarks/learner_step.py --device cuda --bf16 --hidden_size 1024 --layers 8  # a bigger (random) policy
 
 The built-in task's SFT policy samples `--n` completions for each of `--prompts` training prompts (temperature 1,
 up to 24 tokens: what the first steps of a run train on); a chosen and a rejected row per prompt then go through
@@ -11,6 +12,12 @@ after a warm-up; the ways take turns, so a change in load hits each), four ways:
 (`logprobs.length_buckets`), length buckets with the shared-prefix reference (`reference_shared_prefix`), and
 both models running each prompt once (the policy with gradient: online DPO's default, `policy_shared_prefix`). Also prints the tokens each way runs and the largest log-prob difference to the padded
 forward (float tolerance).
+
+`--hidden_size H --layers L` times a randomly initialised policy (and reference) of the SFT policy's architecture and
+vocabulary at that width and depth on the same sampled rows (the SFT policy still samples them): where the step is
+bound by its matmuls rather than by kernel launches, and the ways that save tokens start to pay. `--task toy` uses the
+toy task's tiny model and prompts instead of the built-in task (seconds, nothing to build: the GPU kit's CPU dry
+run). `--json PATH` writes the figures there.
 """
 
 from __future__ import annotations
@@ -37,7 +44,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the learner's share of 2 cores)")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (the first GPU); phases end in a device sync")
     parser.add_argument("--bf16", action="store_true", help="run the models under bf16 autocast (as --bf16 true)")
+    parser.add_argument("--hidden_size", type=int, default=0, help="time a random policy this wide (0: the SFT policy)")
+    parser.add_argument("--layers", type=int, default=0, help="... and this deep (0: the SFT policy's depth)")
+    parser.add_argument("--task", choices=("builtin", "toy"), default="builtin",
+                        help="builtin: the built-in task's SFT policy and prompts; toy: the toy task's tiny model")
+    parser.add_argument("--json", help="write the figures to this file")
     args = parser.parse_args(argv)
+    if args.hidden_size < 0 or args.layers < 0 or args.hidden_size % 64:
+        raise SystemExit(f"--hidden_size must be a multiple of 64 (heads of 64) and --layers >= 0, got "
+                         f"{args.hidden_size}, {args.layers}")
     if args.prompts < 1 or args.n < 2 or args.repeats < 1 or args.threads < 1:
         raise SystemExit(f"--prompts, --repeats, --threads must be >= 1 and --n >= 2, got {args.prompts}, "
                          f"{args.repeats}, {args.threads}, {args.n}")
@@ -64,16 +79,39 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
-    paths = prepare_builtin(seed=0)
-    tok = AutoTokenizer.from_pretrained(paths["tokenizer"])
-    policy = AutoModelForCausalLM.from_pretrained(paths["sft_model"], dtype=torch.float32).train()
-    ref = AutoModelForCausalLM.from_pretrained(paths["sft_model"], dtype=torch.float32).eval().requires_grad_(False)
-    sampler = TransformersSampler(ref, tok.pad_token_id, tok.eos_token_id)  # samples on the CPU: same rows anywhere
+    if args.task == "toy":
+        import tempfile
+
+        from async_rlhf.data.tiny_model import save_tiny_model
+        from async_rlhf.data.toy_task import toy_prompts
+
+        model_dir = save_tiny_model(tempfile.mkdtemp(prefix="learner-step-"))
+        tok_dir, texts = model_dir, toy_prompts(args.prompts, seed=0)["prompt"]
+    else:
+        paths = prepare_builtin(seed=0)
+        model_dir, tok_dir = paths["sft_model"], paths["tokenizer"]
+        texts = make_splits(seed=0)["train"].select(range(args.prompts))["prompt"]
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    sft = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().requires_grad_(False)
+    sampler = TransformersSampler(sft, tok.pad_token_id, tok.eos_token_id)  # samples on the CPU: same rows anywhere
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in texts]
+    samples = sampler.generate(prompts, SamplingSettings(max_new_tokens=24, temperature=1.0, n=args.n, seed=0))
+    if args.hidden_size or args.layers:  # a bigger policy of the same architecture and vocabulary, random weights
+        config = sft.config.__class__.from_dict(sft.config.to_dict())
+        if args.hidden_size:
+            ratio = config.intermediate_size / config.hidden_size
+            config.hidden_size, config.intermediate_size = args.hidden_size, int(ratio * args.hidden_size)
+            config.num_attention_heads = config.num_key_value_heads = args.hidden_size // 64
+            config.head_dim = 64
+        config.num_hidden_layers = args.layers or config.num_hidden_layers
+        torch.manual_seed(0)
+        policy = AutoModelForCausalLM.from_config(config, dtype=torch.float32).train()
+        ref = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().requires_grad_(False)
+    else:
+        policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
+        ref = sft
     policy, ref = policy.to(device), ref.to(device)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-12)  # the step's cost, not its effect, is measured
-    rows = make_splits(seed=0)["train"].select(range(args.prompts))
-    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in rows["prompt"]]
-    samples = sampler.generate(prompts, SamplingSettings(max_new_tokens=24, temperature=1.0, n=args.n, seed=0))
     groups = [ScoredGroup(i, p, s, [0.0] * args.n, 0) for i, (p, s) in enumerate(zip(prompts, samples))]
     select = [(g, 0) for g in range(len(groups))] + [(g, 1) for g in range(len(groups))]  # chosen, then rejected
     max_length = 128
@@ -144,7 +182,15 @@ def main(argv: list[str] | None = None) -> dict:
     for phase in (*PHASES, "total"):
         print(f"{phase:<21}" + "".join(f"{1000 * results[m][phase]:>21.1f}" for m in results))
     print(f"{'max |diff| vs padded':<21}" + "".join(f"{results[m]['max_abs_diff']:>21.1e}" for m in results))
-    return {"tokens": tokens, "results": results}
+    out = {"parameters": sum(p.numel() for p in policy.parameters()), "hidden_size": policy.config.hidden_size,
+           "layers": policy.config.num_hidden_layers, "device": args.device, "bf16": args.bf16, "tokens": tokens,
+           "results": results}
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
 
 
 if __name__ == "__main__":

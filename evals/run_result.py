@@ -96,6 +96,12 @@ class RunResult:
         return sum(e.get("seconds", 0.0) for e in self.evals)
 
     @property
+    def eval_seconds_in_summary_loop(self) -> float:
+        """Of those, the seconds the summary's `loop_seconds` still holds: none once the summary reports
+        `eval_seconds` (its loop is net of them), all of them in the summaries of earlier runs."""
+        return 0.0 if "eval_seconds" in self.summary else self.eval_seconds_in_loop
+
+    @property
     def wall_seconds(self) -> float:
         """The recipe's `train()` wall time, generator start-up and training loop, less the gold evaluations during
         training (not imports, not the final evaluation either): what sync vs async compares."""
@@ -104,7 +110,7 @@ class RunResult:
     @property
     def samples_per_s(self) -> float:
         """Training-loop throughput: samples / loop seconds (generator start-up and evaluations excluded)."""
-        loop = (self.summary.get("loop_seconds") or 0.0) - self.eval_seconds_in_loop
+        loop = (self.summary.get("loop_seconds") or 0.0) - self.eval_seconds_in_summary_loop
         return self.summary.get("samples", 0) / loop if loop > 0 else math.nan
 
     @property

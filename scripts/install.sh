@@ -19,6 +19,9 @@ if [ "$target" = cpu ]; then
   "$python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
 "$python" -m pip install -q --no-deps -e .
+# `accelerate launch recipes/<recipe>.py` without --config_file reads accelerate's default config: one learner
+# process unless the user already has a default config of their own (never replaced)
+"$python" launch/accelerate/install_default_config.py
 "$python" - <<'PY'
 import torch, transformers, trl, accelerate, deepspeed, datasets
 try:

@@ -10,6 +10,7 @@ every field we declare (`config/checks.py`), then ranges and relations.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
@@ -80,7 +81,7 @@ class AsyncRLConfig(TrainingArguments):
                   "can, vLLM on GPU, and on CPU the one measured faster for this run (both timed on the policy once "
                   "per machine, cached; generation/pool/backend_probe.py), with one line giving the figures. The trainer "
                   "decides when it is built, before any generator starts, and writes the choice here. TRL's "
-                  "use_vllm=True/False sets 'vllm'/'transformers'."},
+                  "use_vllm=True sets 'vllm' (False, TRL's default, leaves it)."},
     )
     generation_mode: str = field(
         default="auto",
@@ -270,8 +271,9 @@ class AsyncRLConfig(TrainingArguments):
                                                                             "or JSON text)."})
     # ---- TRL 1.16 OnlineDPOConfig's generation fields: accepted under TRL's names; how each maps onto the fields
     # above, or why it cannot apply here (one warning lists those set), is in config/trl_fields.py ----------------------
-    use_vllm: bool | None = field(default=None, metadata={"help": "TRL: True sets generator_backend='vllm', False "
-                                                                   "'transformers'; None (default) leaves it."})
+    use_vllm: bool = field(default=False, metadata={"help": "TRL: True sets generator_backend='vllm'; False (TRL's "
+                                                            "default) leaves generator_backend ('auto' unless set; "
+                                                            "generator_backend='transformers' forces that)."})
     vllm_mode: str = field(default="colocate", metadata={"help": "TRL: 'colocate' (default): vLLM runs in our "
                            "generator processes on generator_devices, never inside a learner; 'server' with use_vllm: "
                            "generator_servers = vllm_server_base_url (or host:port), an async_rlhf.generation.serve."})
@@ -287,8 +289,9 @@ class AsyncRLConfig(TrainingArguments):
                                                                           "devices; nothing to free)."})
     generation_kwargs: dict | str | None = field(
         default=None, metadata={"help": "TRL: its keys temperature, top_p, top_k, min_p, repetition_penalty, "
-                                "max_new_tokens (or vLLM's max_tokens) override those fields; do_sample=False sets "
-                                "temperature 0 (greedy); other keys are not applied (warned)."})
+                                "max_new_tokens (or vLLM's max_tokens) override those fields; do_sample=False samples "
+                                "greedily (sampling_temperature 0; temperature keeps its value, as TRL's "
+                                "generation_config); other keys are not applied (warned)."})
     min_p: float | None = field(default=None, metadata={"help": "Drop tokens less likely than min_p x the most likely "
                                                                  "one (after temperature); None or 0: off (TRL)."})
     repetition_penalty: float = field(default=1.0, metadata={"help": "Logits of tokens already in the prompt or "
@@ -372,6 +375,11 @@ class AsyncRLConfig(TrainingArguments):
         _require(self.generator_threads >= 1, "generator_threads", f"must be >= 1, got {self.generator_threads}")
         _require(self.learner_threads is None or self.learner_threads >= 1, "learner_threads",
                  f"must be >= 1 or None, got {self.learner_threads}")
+        if self.disable_tqdm is None and not sys.stderr.isatty():
+            # Piped or written to a file, tqdm's bar is one "\r"-separated redraw per step, blanked with spaces before
+            # every metric dict: viewers that break lines at "\r" (CI logs, `tee`d files) show a column of blank lines
+            # between the dicts. Off a terminal the dicts alone then, one a line (transformers' PrinterCallback).
+            self.disable_tqdm = True
         super().__post_init__()
 
     def cpu_learner_threads(self) -> int:
@@ -393,6 +401,15 @@ class AsyncRLConfig(TrainingArguments):
                 d == "cuda:0" for d in self.generator_devices):
             return "ipc"
         return "shm"
+
+    @property
+    def sampling_temperature(self) -> float:
+        """The temperature the generators sample at and the losses' ratios use: `temperature`, or 0 (greedy) where
+        TRL's `generation_kwargs` holds `do_sample=False` (`temperature` then keeps its value, as in TRL's
+        `generation_config`)."""
+        if (self.generation_kwargs or {}).get("do_sample") is False:
+            return 0.0
+        return self.temperature
 
     @property
     def streaming(self) -> bool:

@@ -4,12 +4,15 @@ A TRL script switched to our classes by one import keeps every field it sets. Ou
 one way that decides most of this: it is always asynchronous, in generator processes of their own (on
 `generator_devices`, or the servers of `generator_servers`), never inside a learner. So:
 
-* mapped: `use_vllm` True/False -> `generator_backend` 'vllm'/'transformers' (None, our default, leaves it, 'auto'
-  unless set); `vllm_mode='server'` (with `use_vllm`) -> `generator_servers = [vllm_server_base_url]` (or
+* mapped: `use_vllm=True` -> `generator_backend='vllm'`; `use_vllm=False`, TRL's default and ours, leaves
+  `generator_backend` ('auto' unless set: the transformers generator where vLLM cannot serve the policy or was
+  measured slower on CPU, as TRL's `use_vllm=False` samples with transformers; `generator_backend='transformers'`
+  forces it); `vllm_mode='server'` (with `use_vllm`) -> `generator_servers = [vllm_server_base_url]` (or
   `host:port`), which must be `python -m async_rlhf.generation.serve` servers, not `trl vllm-serve` ones;
   `generation_kwargs` keys that name a sampling field here (`temperature`, `top_p`, `top_k`, `max_new_tokens` or
   vLLM's `max_tokens`, `min_p`, `repetition_penalty`) override that field, as TRL documents; `do_sample=False`
-  sets `temperature = 0` (greedy, as transformers' `do_sample=False`). `min_p` and `repetition_penalty` are
+  makes the generators greedy (`sampling_temperature` 0, as transformers' `do_sample=False`) and leaves
+  `temperature` as set, as TRL's `generation_config` keeps it. `min_p` and `repetition_penalty` are
   applied by both generator backends (and vLLM servers), with TRL's meaning.
 * meaning kept, nothing to do: `vllm_mode='colocate'` (TRL's default: "vLLM next to training", here vLLM in the
   generator processes), `vllm_gpu_memory_utilization`, `vllm_tensor_parallel_size` (our own fields).
@@ -19,8 +22,8 @@ one way that decides most of this: it is always asynchronous, in generator proce
   (`vllm_enable_sleep_mode`, `vllm_group_port`, `vllm_server_timeout`, `vllm_model_impl` other than 'vllm',
   `ds3_gather_for_generation=False`: ZeRO-3 weights are always gathered for the generators) and
   `trust_remote_code=True` (never set: no model code is fetched or run).
-Conflicts between a TRL field and the explicit field it maps onto (`use_vllm=False` with
-`generator_backend='vllm'`) are a `ConfigError` naming both.
+Conflicts between a TRL field and the explicit field it maps onto (`use_vllm=True` with
+`generator_backend='transformers'`) are a `ConfigError` naming both.
 """
 
 from __future__ import annotations
@@ -54,12 +57,11 @@ def apply_trl_fields(config) -> None:
     the type checks and before the range checks, which then see the mapped values."""
     if config.vllm_mode not in VLLM_MODES:
         raise ConfigError(f"vllm_mode: {config.vllm_mode!r} is not one of {VLLM_MODES}")
-    if config.use_vllm is not None:
-        wanted = "vllm" if config.use_vllm else "transformers"
-        if config.generator_backend not in ("auto", wanted):
-            raise ConfigError(f"use_vllm: {config.use_vllm} asks for generator_backend={wanted!r} but "
+    if config.use_vllm:
+        if config.generator_backend not in ("auto", "vllm"):
+            raise ConfigError(f"use_vllm: True asks for generator_backend='vllm' but "
                               f"generator_backend={config.generator_backend!r} was set; set only one of them")
-        config.generator_backend = wanted
+        config.generator_backend = "vllm"
     if config.use_vllm and config.vllm_mode == "server" and not config.generator_servers:
         host = "127.0.0.1" if config.vllm_server_host == "0.0.0.0" else config.vllm_server_host
         config.generator_servers = [config.vllm_server_base_url or f"{host}:{config.vllm_server_port}"]
@@ -79,6 +81,5 @@ def _apply_generation_kwargs(config) -> list[str]:
     for key, name in GENERATION_KWARG_FIELDS.items():
         if key in kwargs:
             setattr(config, name, kwargs[key])
-    if kwargs.get("do_sample") is False:
-        config.temperature = 0.0
+    # do_sample=False keeps `temperature` (as TRL's generation_config does); `sampling_temperature` reads it as 0
     return [k for k in kwargs if k not in GENERATION_KWARG_FIELDS and k != "do_sample"]

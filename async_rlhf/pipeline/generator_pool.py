@@ -128,6 +128,14 @@ class AckTracker:
         with self._lock:
             return len(self._pending)
 
+    def pending(self) -> dict[int, list[int]]:
+        """Generator id -> the versions sent to it and not acknowledged yet (ascending); only generators with some."""
+        out: dict[int, list[int]] = {}
+        with self._lock:
+            for g, v in sorted(self._pending):
+                out.setdefault(g, []).append(v)
+        return out
+
     def min_loaded_version(self) -> int:
         with self._lock:
             return min(self.loaded_version.values())

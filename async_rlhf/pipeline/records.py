@@ -29,6 +29,7 @@ class PipelineRecords:
         self.load_seconds = 0.0  # generator-side weight loading, summed (kept after the pool closes)
         self.busy_seconds = 0.0  # generator-side sampling time, summed (kept after close; local generators only)
         self.loaded_versions: dict[int, int] = {}  # generator id -> last acknowledged version (kept after close)
+        self.pending_versions: dict[int, list[int]] = {}  # generator id -> versions it never acknowledged (after close)
         self.restarts = 0
         self.schedule_summary: dict = {}  # the generator schedule's summary (autoscale decisions), kept after close
         self.imbalance = ImbalanceTally()  # generator/imbalance: max/mean tokens per generator

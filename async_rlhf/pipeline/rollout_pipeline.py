@@ -155,6 +155,7 @@ class RolloutPipeline:
         if self.pool is not None:
             self.pool.close()  # first: it may still record the acknowledgements of the last weights
             self.records.pool_state(self.pool)
+            self.records.pending_versions = self.pool.acks.pending()  # sent, never acknowledged (close waited)
             self.pool = None
         if self.transport is not None:
             self.transport.close()

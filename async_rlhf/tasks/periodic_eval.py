@@ -5,12 +5,17 @@ The task's evaluation function (for the built-in task: gold win-rate, gold rewar
 training log of that same step under `eval/<metric>` (metrics.jsonl, report_to integrations; every rank asks the
 Trainer to log at that step, because logging reduces metrics across ranks), which is what the sweep's "win-rate
 over training steps" plot reads. Other ranks do not wait for it except at their next collective.
+
+Its seconds are off the training clock: each evaluation's time is logged as `eval/seconds` and added to the
+trainer's `eval_seconds`, which the run summary reports on its own and takes off `loop_seconds` and
+`train_seconds` (TRL's clock and `benchmarks/vs_trl.py` take evaluations off too).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
 
 from transformers import TrainerCallback
 
@@ -41,9 +46,13 @@ class PeriodicEvaluation(TrainerCallback):
                 self._warned = True
             return
         was_training = model.training
+        t0 = time.perf_counter()
         try:
             results = self.evaluate(forward_model(model))  # a LoRA policy: its base model, adapters in place
         finally:
             model.train(was_training)
+            seconds = time.perf_counter() - t0
+            self.trainer.eval_seconds = getattr(self.trainer, "eval_seconds", 0.0) + seconds
         self.trainer.extra_logs.update({f"eval/{k}": float(v) for k, v in results.items()
                                         if isinstance(v, (int, float)) and not math.isnan(float(v))})
+        self.trainer.extra_logs["eval/seconds"] = seconds

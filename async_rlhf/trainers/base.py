@@ -168,7 +168,8 @@ class AsyncTrainerBase(Trainer):
         self.stats = self._metrics  # TRL's name: metric -> its values since the last log
         self._micro = 0
         self._step_batch: RolloutBatch | None = None
-        self._loop_seconds = 0.0
+        self._loop_seconds = 0.0  # the training loop, periodic evaluations included (the summary takes them off)
+        self.eval_seconds = 0.0  # periodic evaluations during training, rank 0 (`periodic_eval.py` adds to it)
         self._last_metrics: dict[str, float] = {}
         self.extra_logs: dict[str, float] = {}  # merged into the next log (e.g. periodic gold evaluation, rank 0)
         self.nonfinite = NonFiniteGuard(args.max_nonfinite_steps, self.accelerator)  # see learner/nonfinite.py
@@ -203,7 +204,7 @@ class AsyncTrainerBase(Trainer):
 
     def reference_temperature(self) -> float:
         """The loss's reference temperature (`sequence_terms`' `temperature`; online DPO and Best-of-N: 1)."""
-        return self.args.temperature
+        return self.args.sampling_temperature
 
     def fuses_reference(self) -> bool:
         """Rank 0's scoring thread computes the reference log-probs (`experimental/fused_reference.py`): fused scoring, a frozen
@@ -333,7 +334,7 @@ class AsyncTrainerBase(Trainer):
                                     f"{self.state.global_step} in {self.args.output_dir}")
         self.run_summary = build_summary(self.pipeline, self.args, self.accelerator, self.state.global_step,
                                          time.perf_counter() - t0, self._loop_seconds, self.scorer.skipped,
-                                         self._last_metrics)
+                                         self._last_metrics, eval_seconds=self.eval_seconds)
         self.run_summary["startup"] = self.timeline.as_dict()
         if lora:
             self.run_summary["lora"] = peft_policy.memory_report(self.model, self.optimizer)

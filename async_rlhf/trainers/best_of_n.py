@@ -36,7 +36,7 @@ class AsyncBestOfNTrainer(AsyncTrainerBase):
             ranked = best_and_worst(group.rewards)
             best.append((g, ranked[0] if ranked else 0, ranked is not None))
         t = sequence_terms(model, self.ref_model, groups, select=[(g, i) for g, i, _ in best], temperature=1.0,
-                           sampling_temperature=a.temperature, **self.packing())
+                           sampling_temperature=a.sampling_temperature, **self.packing())
         keep = torch.tensor([ok for _, _, ok in best], device=t.mask.device, dtype=t.mask.dtype)
         loss, m = best_of_n_nll(t.logps, t.mask * keep[:, None])
         kl = ((t.logps.detach() - t.ref_logps) * t.mask).sum(-1).mean().item()

@@ -57,8 +57,8 @@ class AsyncGRPOTrainer(AsyncTrainerBase):
 
     def compute_rollout_loss(self, model, groups):
         a = self.args
-        t = policy_terms(sequence_terms(model, self.ref_model, groups, temperature=a.temperature,
-                                        sampling_temperature=a.temperature, **self.packing()), groups)
+        t = policy_terms(sequence_terms(model, self.ref_model, groups, temperature=a.sampling_temperature,
+                                        sampling_temperature=a.sampling_temperature, **self.packing()), groups)
         dev = t.seq.mask.device
         rewards = torch.tensor([[r if r is not None else float("nan") for r in g.rewards] for g in groups],
                                dtype=torch.float32, device=dev)

@@ -54,7 +54,7 @@ class AsyncOnlineDPOTrainer(AsyncTrainerBase):
         select = [(g, c) for g, c, _ in used] + [(g, r) for g, _, r in used]  # chosen rows, then rejected rows
         # chosen and rejected rows continue the same prompt: the policy runs each prompt once (shared prefix)
         t = sequence_terms(model, self.ref_model, groups, select=select, temperature=1.0,
-                           sampling_temperature=a.temperature, policy_shared_prefix=True, **self.packing())
+                           sampling_temperature=a.sampling_temperature, policy_shared_prefix=True, **self.packing())
         seq, ref_seq = t.logps.sum(-1), t.ref_logps.sum(-1)
         n = len(used)
         beta = a.beta_at(self.state.epoch or 0.0)

@@ -60,8 +60,8 @@ class AsyncPPOTrainer(AsyncTrainerBase):
 
     def compute_rollout_loss(self, model, groups):
         a = self.args
-        t = policy_terms(sequence_terms(model, self.ref_model, groups, temperature=a.temperature,
-                                        sampling_temperature=a.temperature, **self.packing()), groups)
+        t = policy_terms(sequence_terms(model, self.ref_model, groups, temperature=a.sampling_temperature,
+                                        sampling_temperature=a.sampling_temperature, **self.packing()), groups)
         values = token_values(self.critic, t.seq.input_ids, t.seq.attention_mask)
         kl = (t.seq.logps.detach() - t.seq.ref_logps) * t.mask
         rewards = -a.beta * kl

@@ -25,8 +25,8 @@ class AsyncRLOOTrainer(AsyncTrainerBase):
 
     def compute_rollout_loss(self, model, groups):
         a = self.args
-        t = policy_terms(sequence_terms(model, self.ref_model, groups, temperature=a.temperature,
-                                        sampling_temperature=a.temperature, **self.packing()), groups)
+        t = policy_terms(sequence_terms(model, self.ref_model, groups, temperature=a.sampling_temperature,
+                                        sampling_temperature=a.sampling_temperature, **self.packing()), groups)
         shaped = kl_shaped_rewards(t.scores, t.seq.logps.detach(), t.seq.ref_logps, t.mask, a.beta)
         advantages = rloo_advantages(shaped.view(len(groups), a.num_generations)).reshape(-1)
         advantages = advantages * t.valid.to(advantages.dtype)

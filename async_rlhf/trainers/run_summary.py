@@ -15,15 +15,19 @@ FINAL_METRICS = ("objective/scores", "objective/kl", "objective/rlhf_reward", "l
 
 
 def build_summary(pipeline, args, accelerator, steps: int, wall: float, loop_seconds: float,
-                  rewards_skipped: int, last_metrics: dict[str, float]) -> dict:
+                  rewards_skipped: int, last_metrics: dict[str, float], eval_seconds: float = 0.0) -> dict:
+    """`loop_seconds`: the training loop as timed, periodic evaluations (`eval_seconds` of it) included; the summary's
+    `loop_seconds` and `train_seconds` are net of them."""
     p, r = pipeline, pipeline.records
     stats = p.stats()
+    loop_seconds = max(0.0, loop_seconds - eval_seconds)
     summary = {
         "steps": steps,
         "prompts": steps * args.prompts_per_step,
         "samples": steps * args.prompts_per_step * args.num_generations,
         "wall_seconds": wall,
-        "loop_seconds": loop_seconds,
+        "loop_seconds": loop_seconds,  # net of periodic evaluations
+        "eval_seconds": eval_seconds,  # periodic evaluations during training (rank 0), off the loop's clock
         "generator_start_seconds": r.start_seconds,  # spawned -> ready (spawned while the trainer was built)
         "generator_start_wait_seconds": r.start_wait_seconds,  # of which the learner waited, in train()
         "generate_seconds": r.gen_seconds,
@@ -33,7 +37,8 @@ def build_summary(pipeline, args, accelerator, steps: int, wall: float, loop_sec
         "sync_load_seconds": stats.get("sync/load_seconds", 0.0),
         "sync_bytes": r.sync_bytes,
         "generators": len(args.generator_servers or args.generator_devices),  # at start (autoscale: see below)
-        "generator_versions": r.loaded_versions,
+        "generator_versions": r.loaded_versions,  # the run's end waits for every live generator's acknowledgement
+        "generator_versions_pending": r.pending_versions,  # ... and names here what it never got ({}: none)
         "generator_autoscale": r.schedule_summary,  # decisions, answers per generator (experimental/elastic.py); {}: off
         "generation_mode": "stream" if args.streaming else "batch",
         "generator_busy_seconds": r.busy_seconds,  # as of each generator's last weight acknowledgement
@@ -79,8 +84,10 @@ def format_summary(s: dict) -> str:
         "waited in train())",
         f"time: generating {s['generate_seconds']:.1f}s | training {s['train_seconds']:.1f}s | learner waiting "
         f"{s['wait_seconds']:.1f}s | syncing {s['sync_seconds']:.2f}s (+{s['sync_load_seconds']:.2f}s loading in "
-        f"generators, {s['sync_bytes'] / 1e6:.1f} MB)",
+        f"generators, {s['sync_bytes'] / 1e6:.1f} MB)" + (f" | evaluating {s['eval_seconds']:.1f}s (not in training)"
+                                                        if s.get("eval_seconds") else ""),
         f"staleness histogram (steps behind: batches) {{{hist}}} | bound {s['max_staleness']} | dropped "
         f"{s['dropped']} | regenerated {s['regenerated']} | rewards skipped {s['rewards_skipped']}",
         f"final: {final}",
-    ] + ([StartupTimeline.format(s["startup"])] if s.get("startup") else []) + ([format_feedback(s["plan"])] if s.get("plan") else []))
+    ] + ([f"weights never acknowledged (generator: versions): {s['generator_versions_pending']}"]
+         if s.get("generator_versions_pending") else []) + ([StartupTimeline.format(s["startup"])] if s.get("startup") else []) + ([format_feedback(s["plan"])] if s.get("plan") else []))

@@ -4,8 +4,8 @@
 model loads. `set_trl_attributes` sets the public attributes TRL's constructor sets, with TRL's names and meanings
 (`reward_funcs`, `reward_func_names`, `reward_processing_classes`, `reward_weights`, `generation_config`, `use_vllm`,
 `num_generations`, the sampling values, `eos_token_ids`, ...). Where ours differ (tests/compat/ checks the rest):
-- `processing_class` may be omitted when the policy is a path (or was loaded from one) holding a tokenizer: it is
-  loaded from there; otherwise omitting it is TRL's `ValueError`;
+- `processing_class` may be omitted when the policy is given as a path holding a tokenizer: it is loaded from
+  there; otherwise (a model object, as every TRL script passes) omitting it is TRL's `ValueError`;
 - `generation_config` is always a transformers `GenerationConfig` describing what the generators sample with (TRL
   holds a vLLM `SamplingParams` when `use_vllm`); `llm` and `vllm_client` are None: engines live in the generator
   processes, not in the trainer;
@@ -41,12 +41,14 @@ def check_trl_arguments(model, ref_model, reward_funcs, args, reward_processing_
 def tokenizer_for(processing_class, model, source_path: str | None):
     """The tokenizer to train with: `processing_class`, or (our extension) the one saved with the policy."""
     if processing_class is None:
-        path = source_path or getattr(getattr(model, "config", None), "_name_or_path", None)
+        if source_path is None:  # a model object: TRL's contract, whatever its directory holds
+            raise ConfigError("processing_class: `processing_class` must be provided (with a model object, as in "
+                              "TRL; a policy given as a path loads the tokenizer saved there)")
         try:
-            return AutoTokenizer.from_pretrained(path)
+            return AutoTokenizer.from_pretrained(source_path)
         except (OSError, ValueError, TypeError) as exc:
-            raise ConfigError(f"processing_class: must be provided (no tokenizer could be loaded from the policy's "
-                              f"path {path!r}: {type(exc).__name__})") from None
+            raise ConfigError(f"processing_class: `processing_class` must be provided (no tokenizer could be loaded "
+                              f"from the policy's path {source_path!r}: {type(exc).__name__})") from None
     if isinstance(processing_class, ProcessorMixin):
         raise ConfigError(f"processing_class: {type(processing_class).__name__} is a processor for vision-language "
                           "models, which are not trained here; pass the text tokenizer")
@@ -58,10 +60,10 @@ def tokenizer_for(processing_class, model, source_path: str | None):
 
 def generation_kwargs(args, tokenizer, eos_token_ids: list[int]) -> dict:
     """What every generator samples with, as transformers `GenerationConfig` arguments (greedy at temperature 0)."""
-    greedy = args.temperature == 0
+    greedy = args.sampling_temperature == 0  # temperature 0, or TRL's generation_kwargs do_sample=False
     kwargs = {"max_new_tokens": args.max_new_tokens, "do_sample": not greedy, "pad_token_id": tokenizer.pad_token_id,
               "bos_token_id": tokenizer.bos_token_id, "eos_token_id": eos_token_ids, "top_k": args.top_k,
-              "top_p": args.top_p, "temperature": None if greedy else args.temperature,
+              "top_p": args.top_p, "temperature": args.temperature or None,  # kept when greedy, as TRL keeps it
               "repetition_penalty": args.repetition_penalty, "min_p": args.min_p}
     return {k: v for k, v in kwargs.items() if v is not None}
 

@@ -114,15 +114,15 @@ def test_vllm_config_validation(impl, tmp_path):
     assert config.repetition_penalty == 1.0
     assert config.cache_implementation is None
     assert config.generation_kwargs is None
-    assert not config.use_vllm  # TRL: False; ours: None, "not set" (generator_backend decides, 'auto')
+    assert config.use_vllm is False  # TRL's default; ours means "not required" (generator_backend decides, 'auto')
 
 
 def test_generation_config_setup(impl, zen_prompts, models, tmp_path):
-    """TRL's case, less one value: with generation_kwargs={"do_sample": False} TRL keeps temperature 0.8 in a config
-    that no longer samples; ours sets temperature 0 (greedy; config/trl_fields.py)."""
-    args = impl.OnlineDPOConfig(**CPU, output_dir=str(tmp_path), use_vllm=False, temperature=0.8, top_p=0.9, top_k=40,
-                                repetition_penalty=1.2, max_new_tokens=64, generation_kwargs={"do_sample": False},
-                                report_to="none")
+    """TRL's case: generation_kwargs override the sampling values in the trainer's generation_config, temperature
+    included, while do_sample=False turns sampling off (ours: the generators sample greedily)."""
+    args = impl.OnlineDPOConfig(**CPU, output_dir=str(tmp_path), use_vllm=False, report_to="none",
+                                generation_kwargs={"temperature": 0.8, "top_p": 0.9, "top_k": 40,
+                                                   "repetition_penalty": 1.2, "do_sample": False})
     trainer = impl.OnlineDPOTrainer(model=models.model, reward_funcs=models.reward_model, args=args,
                                     train_dataset=zen_prompts("standard_prompt_only"),
                                     processing_class=models.tokenizer,
@@ -131,12 +131,26 @@ def test_generation_config_setup(impl, zen_prompts, models, tmp_path):
     assert not (hasattr(trainer, "llm") and trainer.llm is not None)
     assert not (hasattr(trainer, "vllm_client") and trainer.vllm_client is not None)
     assert trainer.generation_config is not None
+    assert trainer.generation_config.temperature == 0.8
     assert trainer.generation_config.top_p == 0.9
     assert trainer.generation_config.top_k == 40
     assert trainer.generation_config.repetition_penalty == 1.2
-    assert trainer.generation_config.max_new_tokens == 64
     assert not trainer.generation_config.do_sample  # from generation_kwargs
-    assert trainer.top_p == 0.9 and trainer.top_k == 40 and trainer.repetition_penalty == 1.2
+
+
+def test_generation_config_from_the_sampling_fields(impl, zen_prompts, models, tmp_path):
+    """The same values set as config fields, with do_sample=False alone in generation_kwargs."""
+    args = impl.OnlineDPOConfig(**CPU, output_dir=str(tmp_path), use_vllm=False, temperature=0.8, top_p=0.9, top_k=40,
+                                repetition_penalty=1.2, max_new_tokens=64, generation_kwargs={"do_sample": False},
+                                report_to="none")
+    trainer = impl.OnlineDPOTrainer(model=models.model, reward_funcs=models.reward_model, args=args,
+                                    train_dataset=zen_prompts("standard_prompt_only"),
+                                    processing_class=models.tokenizer,
+                                    reward_processing_classes=models.reward_tokenizer)
+    config = trainer.generation_config
+    assert (config.temperature, config.top_p, config.top_k, config.repetition_penalty) == (0.8, 0.9, 40, 1.2)
+    assert config.max_new_tokens == 64 and not config.do_sample
+    assert trainer.temperature == 0.8 and trainer.top_p == 0.9 and trainer.top_k == 40
 
 
 def test_generation_parameters_are_exposed(impl, zen_prompts, models, tmp_path):
@@ -203,8 +217,14 @@ def test_missing_dataset_and_model_init_kwargs_with_a_model_are_value_errors(imp
 
 
 def test_missing_processing_class(impl, zen_prompts, models, tmp_path):
-    """TRL always requires `processing_class` (ValueError). Ours loads the tokenizer saved with the policy when there
-    is one (an extension: no TRL script relies on the error), and raises TRL's ValueError when there is none."""
+    """TRL requires `processing_class` (ValueError), also for a model object whose directory holds a tokenizer."""
+    args = impl.OnlineDPOConfig(**CPU, output_dir=str(tmp_path / "out"), report_to="none")
+    with pytest.raises(ValueError, match="processing_class"):
+        impl.OnlineDPOTrainer(model=models.model, reward_funcs=models.reward_model, args=args,
+                              train_dataset=zen_prompts("standard_prompt_only"))
+
+
+def test_missing_processing_class_with_a_bare_model_object(impl, zen_prompts, models, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from async_rlhf.data.tiny_model import char_tokenizer, tiny_llama
@@ -216,6 +236,16 @@ def test_missing_processing_class(impl, zen_prompts, models, tmp_path):
     with pytest.raises(ValueError, match="processing_class"):
         impl.OnlineDPOTrainer(model=bare, reward_funcs=models.reward_model, args=args,
                               train_dataset=zen_prompts("standard_prompt_only"))
+
+
+def test_our_extension_loads_the_tokenizer_saved_with_a_policy_path(zen_prompts, models, tmp_path):
+    """Ours only: `model` given as a path holding a tokenizer needs no `processing_class` (TRL: ValueError)."""
+    from async_rlhf import AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer
+
+    args = AsyncOnlineDPOConfig(**CPU, output_dir=str(tmp_path / "out"), report_to="none")
+    trainer = AsyncOnlineDPOTrainer(model=models.model_id, reward_funcs=models.reward_model, args=args,
+                                    train_dataset=zen_prompts("standard_prompt_only"))
+    assert trainer.processing_class is not None
 
 
 def test_every_trl_config_field_is_accepted(tmp_path, caplog):

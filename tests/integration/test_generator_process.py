@@ -155,3 +155,36 @@ def _no_leftover_children():
     for child in psutil.Process().children(recursive=True):
         if "generator_parent" in " ".join(child.cmdline()):
             child.kill()
+
+
+def test_close_waits_for_every_live_generator_to_acknowledge_the_last_weights(tmp_path, tiny_model_dir):
+    # The run's end closes the pool right after the last weight sync. A generator still sampling its last request
+    # acknowledges those weights only after it: close must wait for that acknowledgement (bounded), or the run
+    # summary's generator_versions says a generator never got the final weights (the flaky
+    # test_two_generators_share_each_batch_and_track_every_version[1-vllm]: {0: 3, 1: 2}).
+    import queue as queue_module
+
+    from transformers import AutoModelForCausalLM
+
+    from async_rlhf.generation.pool.local import GeneratorPool
+    from async_rlhf.generation.engine.worker import GeneratorSpec
+    from async_rlhf.types import GenerationRequest, SamplingSettings
+    from async_rlhf.weight_sync.shm import ShmWeightTransport
+
+    spec = GeneratorSpec(generator_id=0, backend="transformers", model_path=tiny_model_dir, device="cpu", seed=0,
+                         threads=1, log_path=str(tmp_path / "generator-0.log"))
+    got: queue_module.Queue = queue_module.Queue()
+    pool = GeneratorPool([spec], got.put, start_timeout=180, weight_sync_timeout=60, max_restarts=0)
+    transport = ShmWeightTransport(str(tmp_path))
+    state = {k: v.detach().clone() for k, v in AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict().items()}
+    try:
+        pool.start()
+        # a request that keeps the generator busy well past the reader's polling interval, then the last weights
+        long = SamplingSettings(max_new_tokens=200, n=8, seed=0)
+        pool.send_request(0, GenerationRequest(0, [0], [[5, 6, 7]], long))
+        pool.send_weights(transport.publish(state, 1))
+    finally:
+        pool.close(timeout=120)
+        transport.close()
+    assert pool.acks.loaded_version == {0: 1}
+    assert pool.acks.pending() == {}

@@ -30,6 +30,7 @@ def test_two_generators_share_each_batch_and_track_every_version(tmp_path, tiny_
     # every generator acknowledged the last published version (steps - 1 is the last one a batch could need)
     assert set(s["generator_versions"]) == {0, 1}
     assert min(s["generator_versions"].values()) >= steps - 1
+    assert s["generator_versions_pending"] == {}  # the run's end waited for every acknowledgement
     if backend == "vllm":  # streamed group by group: every batch reassembled whole, its token spread measured
         import json
 

@@ -132,7 +132,7 @@ def test_stalled_weight_transfer_fails_within_the_sync_timeout(tmp_path, tiny_mo
 def test_a_policy_without_a_directory_leaves_nothing_in_shm_dir(tmp_path, tiny_model_dir, tiny_run_config):
     # an in-memory policy: rank 0 writes the generators' initial copy (async_rlhf-init-*) next to the weight files;
     # both are locked while the run lives (a clean-up by another run leaves them) and removed when train() ends
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from async_rlhf.weight_sync.shm_dirs import remove_orphaned_dirs
 
@@ -146,7 +146,8 @@ def test_a_policy_without_a_directory_leaves_nothing_in_shm_dir(tmp_path, tiny_m
 
     args = tiny_run_config(tmp_path / "out", max_steps=2, shm_dir=str(shm))
     trainer = AsyncOnlineDPOTrainer(AutoModelForCausalLM.from_pretrained(tiny_model_dir), reward_funcs=lowercase_reward,
-                                    args=args, train_dataset=toy_prompts(16))
+                                    args=args, train_dataset=toy_prompts(16),
+                                    processing_class=AutoTokenizer.from_pretrained(tiny_model_dir))
     trainer.add_callback(_Look())
     trainer.train()
     names, removed = seen[0]

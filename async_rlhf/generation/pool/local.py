@@ -185,7 +185,11 @@ class GeneratorPool:
         self._stopping.set()
 
     def close(self, timeout: float = 20.0) -> None:
+        """Wait (at most `timeout`) for every live generator to acknowledge the weights sent to it, then stop them
+        all (Shutdown, then SIGKILL, again at most `timeout`). What is still unacknowledged stays in `acks.pending()`."""
         self._stopping.set()
+        if self._reader is not None and self._reader.is_alive():
+            self._await_acks(timeout)
         self._stop.set()
         for inbox, p in zip(self.inboxes, self.processes):
             if p.is_alive():
@@ -205,6 +209,25 @@ class GeneratorPool:
             q.close()
         self._kill_at_exit()  # nothing left to kill: only drops the exit hook
         self.launcher.close()
+
+    def _await_acks(self, timeout: float) -> None:
+        """Until no live generator owes an acknowledgement, or `timeout`. The run's last weights are sent right
+        before the pool is closed, and a generator acknowledges them only once it has loaded them (after the
+        request it is sampling); without this wait the reader stopped first and the summary missed them. A
+        generator that died, reported an error or is restarting owes nothing (it will never answer)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                gone = set(self._errors) | set(self._starting) | set(self.retired)
+            owing = [g for g in self.acks.pending()
+                     if g not in gone and g < len(self.processes) and self.processes[g].exitcode is None]
+            if not owing:
+                return
+            if time.monotonic() >= deadline:
+                logger.warning("generator pool: closing with weights unacknowledged after %.0fs: %s", timeout,
+                               {g: self.acks.pending()[g] for g in owing})
+                return
+            time.sleep(0.05)
 
     # ---- elastic membership (main thread) ------------------------------------------------------------------
     def add_generator(self, spec: GeneratorSpec) -> None:

@@ -4,8 +4,28 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+from multiprocessing.context import SpawnProcess
 
 from async_rlhf.generation.engine.worker import GeneratorSpec, generator_main
+
+# Variables a generator process must not inherit. A spawned process imports the parent's main script again (as
+# `__mp_main__`) before any of our code runs in it, and transformers prints "[INFO] Running in WANDB offline mode"
+# at import wherever WANDB_MODE is "offline": once per generator on the console otherwise. Generators never log to
+# wandb.
+NOT_INHERITED = ("WANDB_MODE",)
+
+
+class GeneratorProcess(SpawnProcess):
+    """A spawned generator process whose environment lacks `NOT_INHERITED` (the parent's is unchanged after
+    `start`; processes are started from the main thread only, see `local.py`)."""
+
+    def start(self) -> None:
+        saved = {k: os.environ.pop(k) for k in NOT_INHERITED if k in os.environ}
+        try:
+            super().start()
+        finally:
+            os.environ.update(saved)
 
 
 class ProcessLauncher:
@@ -19,8 +39,8 @@ class ProcessLauncher:
         return self._ctx.Queue(), self._ctx.Queue()
 
     def process(self, spec: GeneratorSpec, inbox, outbox):
-        return self._ctx.Process(target=generator_main, args=(spec, inbox, outbox), daemon=True,
-                                 name=f"async_rlhf-generator-{spec.generator_id}")
+        return GeneratorProcess(target=generator_main, args=(spec, inbox, outbox), daemon=True,
+                                name=f"async_rlhf-generator-{spec.generator_id}")
 
     def close(self) -> None:
         pass

@@ -15,15 +15,19 @@ def test_config_error_is_a_value_error():
     assert issubclass(ConfigError, ValueError)
 
 
-@pytest.mark.parametrize("use_vllm, backend", [(None, "auto"), (True, "vllm"), (False, "transformers")])
-def test_use_vllm_picks_the_generator_backend(make_config, use_vllm, backend):
-    assert make_config(use_vllm=use_vllm).generator_backend == backend
+def test_use_vllm_keeps_trls_default_and_true_picks_vllm(make_config):
+    # TRL's OnlineDPOConfig().use_vllm is False; here False (the default) leaves generator_backend ('auto' unless set)
+    assert AsyncOnlineDPOConfig(output_dir="unused").use_vllm is False
+    assert make_config().generator_backend == "auto"
+    assert make_config(use_vllm=False).generator_backend == "auto"
+    assert make_config(use_vllm=False, generator_backend="transformers").generator_backend == "transformers"
+    assert make_config(use_vllm=True).generator_backend == "vllm"
 
 
 def test_use_vllm_that_contradicts_generator_backend_is_refused(make_config):
-    with pytest.raises(ConfigError, match=r"use_vllm: False asks for generator_backend='transformers' but "
-                                          r"generator_backend='vllm' was set"):
-        make_config(use_vllm=False, generator_backend="vllm")
+    with pytest.raises(ConfigError, match=r"use_vllm: True asks for generator_backend='vllm' but "
+                                          r"generator_backend='transformers' was set"):
+        make_config(use_vllm=True, generator_backend="transformers")
 
 
 def test_vllm_server_mode_points_generator_servers_at_the_server(make_config):
@@ -40,7 +44,8 @@ def test_generation_kwargs_override_our_sampling_fields(make_config):
                                                               "repetition_penalty": 1.3})
     assert (config.top_k, config.max_new_tokens, config.min_p, config.repetition_penalty) == (5, 17, 0.05, 1.3)
     assert config.temperature == 0.8
-    assert make_config(temperature=0.8, generation_kwargs={"do_sample": False}).temperature == 0.0  # greedy
+    greedy = make_config(temperature=0.8, generation_kwargs={"do_sample": False})
+    assert (greedy.temperature, greedy.sampling_temperature) == (0.8, 0.0)  # TRL keeps 0.8; the generators: greedy
     with pytest.raises(ConfigError, match="temperature: expected a number, got 'hot'"):
         make_config(generation_kwargs={"temperature": "hot"})
     with pytest.raises(ConfigError, match=r"min_p: must be in \[0, 1\]"):
@@ -51,12 +56,12 @@ def test_trl_fields_from_the_command_line(tmp_path):
     (config,) = parse_args((AsyncOnlineDPOConfig,), [
         "--output_dir", str(tmp_path), "--use_vllm", "false", "--generation_kwargs", '{"do_sample": false, "top_k": 5}',
         "--model_init_kwargs", '{"dtype": "float32"}', "--repetition_penalty", "1.1"])
-    assert config.generator_backend == "transformers" and config.temperature == 0.0 and config.top_k == 5
+    assert config.generator_backend == "auto" and config.sampling_temperature == 0.0 and config.top_k == 5
     assert config.model_init_kwargs == {"dtype": "float32"} and config.repetition_penalty == 1.1
     with pytest.raises(ConfigError, match="generation_kwargs: .* is not a JSON object"):
         parse_args((AsyncOnlineDPOConfig,), ["--output_dir", str(tmp_path), "--generation_kwargs", "{top_k: 5}"])
 
 
 def test_every_algorithm_config_takes_them(make_config):
-    config = make_config(AsyncRLOOConfig, use_vllm=False, generation_kwargs={"top_p": 0.5})
-    assert config.generator_backend == "transformers" and config.top_p == 0.5
+    config = make_config(AsyncRLOOConfig, use_vllm=True, generation_kwargs={"top_p": 0.5})
+    assert config.generator_backend == "vllm" and config.top_p == 0.5

@@ -8,7 +8,7 @@ into shell segments
 (`&&`, `;`, `&`, `|`), and each segment is checked by what it runs:
 - `accelerate launch ...`: accelerate's own `launch` parser (its flags exist, `--config_file` exists); then the
   script it launches, with its arguments, as below (and, in a test of its own, that accelerate prints no notice
-  about defaults it chose, for a new user with no accelerate default config);
+  about defaults it chose, for a new user whose accelerate default config is the one `scripts/install.sh` gives);
 - `recipes/<name>.py ...`: the recipe's `main` up to the end of its parse step (`cli.parse_args` with the recipe's
   dataclasses and task defaults, including every `__post_init__` check), stopped there;
 - other Python scripts of this repository and `python -m async_rlhf...` modules (launch/sweep.py, evals/*.py, the
@@ -240,10 +240,14 @@ ACCELERATE_COMMANDS = [(w, c, tokens) for w, c in COMMANDS for tokens in _segmen
                                                                             ACCELERATE_COMMANDS])
 def test_doc_accelerate_commands_print_no_defaults_notice(where, command, tokens, monkeypatch):
     """`accelerate launch` without a config file prints four lines about the defaults it used; the documented
-    commands give it what it needs (a new user's machine: no default accelerate config)."""
+    commands give it what it needs (a new user's machine after `bash scripts/install.sh`: accelerate's default
+    config is ours, `launch/accelerate/default_config.yaml`, which `install_default_config.py` puts there)."""
     from accelerate.commands import launch
+    from accelerate.commands.config import config_args
 
-    monkeypatch.setattr(launch, "default_config_file", os.path.join(ROOT, "no-accelerate-default-config.yaml"))
+    installed = os.path.join(ROOT, "launch/accelerate/default_config.yaml")
+    monkeypatch.setattr(launch, "default_config_file", installed)  # where launch looks, and where it then reads
+    monkeypatch.setattr(config_args, "default_config_file", installed)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # as in a fresh shell (conftest sets it for the tests)
     monkeypatch.chdir(ROOT)
     notices = _defaults_notices(_parse_accelerate(tokens))
