@@ -229,6 +229,34 @@ def check_generator_servers(config) -> None:
             raise ConfigError(f"generator_servers: {exc}") from None
 
 
+def check_weight_transport(config) -> None:
+    """`weight_transport`, `network_backend`, `weight_sync_host` and `allow_remote` agree with each other and with
+    the generators (see `weight_sync.network`)."""
+    from async_rlhf.weight_sync.broadcast import is_loopback
+    from async_rlhf.weight_sync.network import NETWORK_BACKENDS, TRANSPORTS
+
+    if config.weight_transport not in TRANSPORTS:
+        raise ConfigError(f"weight_transport: {config.weight_transport!r} is not one of {TRANSPORTS}")
+    if config.network_backend not in ("auto",) + NETWORK_BACKENDS:
+        raise ConfigError(f"network_backend: {config.network_backend!r} is not one of {('auto',) + NETWORK_BACKENDS}")
+    if not is_loopback(config.weight_sync_host) and not config.allow_remote:
+        raise ConfigError(f"weight_sync_host: {config.weight_sync_host!r} is not a loopback address; set "
+                          "allow_remote=True to let generators on other machines join weight groups (gloo and NCCL "
+                          "authenticate nobody: use a private network)")
+    if config.generator_servers:
+        if config.weight_transport == "ipc":
+            raise ConfigError("weight_transport: 'ipc' needs generators on learner rank 0's GPU; generator_servers "
+                              "are separate servers (use 'auto', 'shm' or 'network')")
+        return
+    if config.weight_transport == "network" and config.generator_backend == "transformers":
+        raise ConfigError("weight_transport: 'network' needs vLLM generators (generator_backend='transformers' loads "
+                          "shm or ipc updates only)")
+    try:
+        config.local_weight_transport
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def check_tail_migration(config) -> None:
     """A hand-over continues samples on another engine: local streaming vLLM generators that load weights in flight
     (each token's version is then known wherever it was sampled), at least two of them, none added or retired."""

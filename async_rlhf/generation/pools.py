@@ -1,7 +1,8 @@
 """Which generator pool a run drives, and how its weights reach it: the one place that picks between them.
 
 * `generator_servers`: vLLM servers started elsewhere (`generation/serve.py`), driven over HTTP
-  (`http_pool.HTTPGeneratorPool`); weights through shm files that vLLM's weight routes load.
+  (`http_pool.HTTPGeneratorPool`); weights through vLLM's weight routes, as shm files for a server that reads
+  learner rank 0's `shm_dir` and over the network for one that does not (`weight_sync.network.StateTransport`).
 * otherwise local generators (`pool.GeneratorPool`): spawned processes, or Ray actors with
   `generator_launcher='ray'` (`ray_launcher.py`); the pool spawned while the trainer was built is used if it runs
   exactly these generators (`early_start.py`); with `generator_autoscale`, the controller that adds and retires them
@@ -21,8 +22,14 @@ from async_rlhf.generation.ray_launcher import make_launcher
 from async_rlhf.generation.tail import TailMigration
 from async_rlhf.generation.worker import generator_spec, generator_specs
 from async_rlhf.types import RolloutBatch
-from async_rlhf.weight_sync import ShmWeightTransport, make_transport
+from async_rlhf.weight_sync import make_transport
+from async_rlhf.weight_sync.network import StateTransport
 from async_rlhf.weight_sync.transport import WeightTransport
+
+
+def network_options(args) -> dict:
+    """`weight_sync.network.NetworkSender`'s options from the config."""
+    return {"host": args.weight_sync_host, "allow_remote": args.allow_remote, "backend": args.network_engine}
 
 
 def make_pool(args, on_rollouts: Callable[[RolloutBatch], None], model_path: str, engine_kwargs: dict,
@@ -33,11 +40,12 @@ def make_pool(args, on_rollouts: Callable[[RolloutBatch], None], model_path: str
         from async_rlhf.generation.http_pool import HTTPGeneratorPool
         from async_rlhf.generation.serve import TOKEN_ENV
 
-        transport = ShmWeightTransport(args.shm_dir)
+        transport = StateTransport(args.shm_dir)
         pool = HTTPGeneratorPool(
             args.generator_servers, on_rollouts, transport, model_path, initial_version,
             args.generator_start_timeout, args.weight_sync_timeout, request_timeout=args.rollout_timeout,
-            token=os.environ.get(TOKEN_ENV, ""), min_model_len=args.max_length, weight_load=args.weight_load)
+            token=os.environ.get(TOKEN_ENV, ""), min_model_len=args.max_length, weight_load=args.weight_load,
+            weight_transport=args.weight_transport, network=network_options(args))
         return transport, pool, None
     transport = make_transport(args, device)
     specs = generator_specs(args, model_path, engine_kwargs, initial_version)

@@ -33,6 +33,7 @@ Guarantees (worker side):
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -139,7 +140,9 @@ class GlooWeightTransferEngine(ShmWeightTransferEngine):
             raise reason or WeightBroadcastError("weight update refused by learner rank 0 (see its log)")
         self.receive_weights(info)
 
-    def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+    def receive_weights(self, update_info) -> None:
+        if not isinstance(update_info, GlooUpdateInfo):  # a shm file
+            return super().receive_weights(update_info)
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
         buckets = broadcast.receive_packed(self._group, update_info.names, update_info.dtype_names,
@@ -237,16 +240,22 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         info = GroupInfo(host=init_info.host, port=sock.getsockname()[1], rank=1, world_size=init_info.world_size,
                          timeout=init_info.timeout, prefix=broadcast.new_prefix(), bucket_bytes=init_info.bucket_bytes)
         # the workers block inside init_weight_transfer_engine until the group forms: call it on a thread while
-        # this thread opens the group as rank 0
+        # another forms the group as rank 0; whichever fails first is the error (a refused token at once, not after
+        # the timeout: the abandoned rendezvous thread is a daemon that gives up at its own timeout)
         joined = run_bounded(lambda: client.init_weight_transfer_engine({"group": info.to_dict()}),
                              init_info.timeout + 30.0, "init_weight_transfer_engine")
-        try:
-            engine.group = WeightGroup(info, rank=0, listen_socket=sock)
-        except WeightBroadcastError as exc:
-            sock.close()
-            if joined.done():  # the generator's own reason (a refused token, a bad group) beats "did not form"
-                joined(0)
-            raise exc
+        formed = run_bounded(lambda: WeightGroup(info, rank=0, listen_socket=sock), init_info.timeout + 30.0,
+                             "the weight group's rendezvous")
+        while not formed.done():
+            if joined.done():
+                try:
+                    joined(0)
+                except BaseException:
+                    sock.close()
+                    raise
+                break  # the workers joined: the group is forming now
+            time.sleep(0.01)
+        engine.group = formed()
         joined()
         return engine
 
