@@ -259,7 +259,7 @@ class HTTPGeneratorPool:
             loaded = info["weight_version"]
             seen = await http_client.request_json(self._session, "POST", s.url, PROBE_ROUTE, 30.0, self.token,
                                                   {"path": probe[0], "nonce": probe[1]})
-            reads_shm, workers = bool(seen["reads_shm"]), int(seen["workers"])
+            reads_shm, workers, backend = bool(seen["reads_shm"]), int(seen["workers"]), seen["weight_backend"]
         except (ServerError, KeyError, IndexError, TypeError, ValueError) as exc:
             raise GeneratorFailed(f"generator start: {self.describe(s.gid)}: {type(exc).__name__}: {exc} (is it "
                                   "`python -m async_rlhf.generation.serve`?)") from None
@@ -276,7 +276,15 @@ class HTTPGeneratorPool:
         if s.transport == "shm":
             s.engine = await http_client.in_daemon_thread(http_client.trainer_engine, s.client)
         else:
-            s.engine = NetworkSender(s.client, workers, self.weight_sync_timeout, **self.network)
+            options = dict(self.network)
+            if options.get("backend", "auto") == "auto":  # the server's own backend decides: nccl or our gloo twin
+                options["backend"] = "nccl" if backend == "nccl" else "gloo"
+            wanted = {"gloo": "async_rlhf_gloo", "nccl": "nccl"}[options["backend"]]
+            if backend != wanted:
+                raise GeneratorFailed(f"generator start: {self.describe(s.gid)} runs the weight-transfer backend "
+                                      f"{backend!r}; the network transport needs {wanted!r} (start it with "
+                                      f"--weight-transfer-config '{{\"backend\": \"{wanted}\"}}')")
+            s.engine = NetworkSender(s.client, workers, self.weight_sync_timeout, **options)
             try:
                 await http_client.in_daemon_thread(s.engine.open)
             except Exception as exc:  # a refused token, a group that did not form, a server on another backend

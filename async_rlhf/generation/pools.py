@@ -6,7 +6,8 @@
 * otherwise local generators (`pool.GeneratorPool`): spawned processes, or Ray actors with
   `generator_launcher='ray'` (`ray_launcher.py`); the pool spawned while the trainer was built is used if it runs
   exactly these generators (`early_start.py`); with `generator_autoscale`, the controller that adds and retires them
-  (`elastic.py`). Weights through `weight_sync.make_transport` (shm files, or CUDA IPC when colocated).
+  (`elastic.py`). Weights through `weight_sync.make_transport` (shm files, or CUDA IPC when colocated), or, with
+  `weight_transport='network'`, a weight group per generator fed by `network_feeds.NetworkFeeds`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from async_rlhf.weight_sync.transport import WeightTransport
 
 
 def network_options(args) -> dict:
-    """`weight_sync.network.NetworkSender`'s options from the config."""
+    """`weight_sync.network.NetworkSender`'s options from the config (servers: "backend" follows each server's own
+    when `network_backend` is 'auto')."""
     return {"host": args.weight_sync_host, "allow_remote": args.allow_remote, "backend": args.network_engine}
 
 
@@ -45,14 +47,22 @@ def make_pool(args, on_rollouts: Callable[[RolloutBatch], None], model_path: str
             args.generator_servers, on_rollouts, transport, model_path, initial_version,
             args.generator_start_timeout, args.weight_sync_timeout, request_timeout=args.rollout_timeout,
             token=os.environ.get(TOKEN_ENV, ""), min_model_len=args.max_length, weight_load=args.weight_load,
-            weight_transport=args.weight_transport, network=network_options(args))
+            weight_transport=args.weight_transport, network={**network_options(args), "backend": args.network_backend})
         return transport, pool, None
-    transport = make_transport(args, device)
     specs = generator_specs(args, model_path, engine_kwargs, initial_version)
     pool = adopt_or_close(early_pool, specs, on_rollouts) or GeneratorPool(
         specs, on_rollouts, args.generator_start_timeout, args.weight_sync_timeout, args.generator_max_restarts,
         launcher=make_launcher(args))
     pool.tail = TailMigration(args.tail_migration)
+    if args.local_weight_transport == "network":
+        from async_rlhf.generation.network_feeds import NetworkFeeds
+
+        transport = StateTransport(args.shm_dir)
+        transport.use("network")
+        pool.feeds = NetworkFeeds(transport, network_options(args), args.generator_start_timeout +
+                                  args.weight_sync_timeout, workers=args.vllm_tensor_parallel_size)
+    else:
+        transport = make_transport(args, device)
     elastic = make_elastic(args, pool, learners, lambda i, dev: generator_spec(
         args, model_path, engine_kwargs, initial_version, i, dev))
     return transport, pool, elastic
