@@ -215,11 +215,13 @@ class HTTPGeneratorPool:
             server.idle.set()
         from async_rlhf.weight_sync.network import write_probe
 
-        probe = await asyncio.to_thread(write_probe, self.transport.shm_dir)
+        # no transport: a pool that never sends weights (tests, benchmarks of sampling alone)
+        probe = await asyncio.to_thread(write_probe, self.transport.shm_dir) if self.transport else ("", "")
         try:
             push = await asyncio.gather(*(self._connect(s, deadline, probe) for s in self._servers))
         finally:
-            os.unlink(probe[0])
+            if probe[0]:
+                os.unlink(probe[0])
         if any(push):  # the servers do not serve the trainer's starting policy: load it
             update = await asyncio.to_thread(self._publish_start)
             await asyncio.gather(*(self._start_weights(s, update) for s, p in zip(self._servers, push) if p))
@@ -266,6 +268,8 @@ class HTTPGeneratorPool:
         if max_len < self.min_model_len:
             raise GeneratorFailed(f"generator start: {self.describe(s.gid)} serves {s.model} with max_model_len "
                                   f"{max_len} < max_length {self.min_model_len}")
+        if self.transport is None:
+            return False
         try:
             s.transport = choose_transport(self.weight_transport, self.describe(s.gid), same_gpu=False,
                                            sees_shm=reads_shm)
