@@ -20,9 +20,9 @@ generator, which a gloo broadcast to several members does anyway (the root sends
 Per version: `vote` (an all-reduce of 1 = "I accept these names, dtypes and shapes", 0 = "I refuse"; the minimum
 wins), then `send_packed` / `receive_packed`. A member that refuses says so before any weight bytes move, so every
 member leaves the round at once and nothing loads: no member waits out the timeout for a peer that gave up.
-Buckets: tensors in `names` order, a bucket closed as soon as its bytes reach `bucket_bytes` (so a tensor larger
-than that travels alone); both sides compute the same plan from the same metadata (`bucket_plan`), so the boundaries
-never travel. A bucket of one tensor is sent from the tensor's own memory; larger ones are packed with one copy.
+Buckets: tensors in `names` order; a tensor of at least `SOLO_BYTES` travels alone, sent from its own memory, and
+runs of smaller ones are packed (one copy), a bucket closed as soon as its bytes reach `bucket_bytes`. Both sides
+compute the same plan from the same metadata (`bucket_plan`), so the boundaries never travel.
 
 Guarantees: every collective (rendezvous included) is bounded by the group's `timeout`; a failure raises
 `WeightBroadcastError` naming the stage; the group is then unusable and must be closed (the caller forms a new one).
@@ -48,7 +48,11 @@ from async_rlhf.weight_sync.transport import WeightTransportError
 # dtype names a weight update may carry: parsed with this table, never with getattr on torch
 DTYPES = {name: getattr(torch, name) for name in (
     "float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")}
-DEFAULT_BUCKET_BYTES = 64 << 20  # one packed copy of at most this (plus one tensor) on each side at a time
+DEFAULT_BUCKET_BYTES = 16 << 20  # the most small tensors packed into one collective
+# a tensor this large travels alone, sent from its own memory: packing it would be one more copy, and on CPU the copy
+# costs as much as gloo's send (benchmarks/weight_broadcast.py); what packing saves is per-collective latency, which
+# only matters for the many small tensors (norms, biases)
+SOLO_BYTES = 1 << 20
 
 
 class WeightBroadcastError(WeightTransportError):
@@ -107,6 +111,8 @@ class WeightGroup:
 
         self.rank = rank
         self.info = info
+        self.pack_buffer: torch.Tensor | None = None  # rank 0's packing buffer (send_packed)
+        self.receive_buffers: dict[int, torch.Tensor] = {}  # a member's buffer per bucket index (receive_packed)
         td = datetime.timedelta(seconds=info.timeout)
         try:
             if rank == 0:  # the store listens on the socket we bound (no port race, only the address we chose)
@@ -207,10 +213,19 @@ def num_bytes(dtype: str, shape: Sequence[int]) -> int:
 
 
 def bucket_plan(dtypes: Sequence[str], shapes: Sequence[Sequence[int]], bucket_bytes: int) -> list[range]:
-    """Index ranges of the buckets: consecutive tensors, each bucket closed once it holds >= `bucket_bytes`."""
+    """Index ranges of the buckets, in order: a tensor of at least `SOLO_BYTES` (or `bucket_bytes`) travels alone,
+    straight from its memory; runs of smaller ones are packed, a bucket closed once it holds >= `bucket_bytes`."""
     plan, start, size = [], 0, 0
+    solo = min(SOLO_BYTES, bucket_bytes)
     for i, (dtype, shape) in enumerate(zip(dtypes, shapes)):
-        size += num_bytes(dtype, shape)
+        n = num_bytes(dtype, shape)
+        if n >= solo:
+            if start < i:
+                plan.append(range(start, i))
+            plan.append(range(i, i + 1))
+            start, size = i + 1, 0
+            continue
+        size += n
         if size >= bucket_bytes:
             plan.append(range(start, i + 1))
             start, size = i + 1, 0
@@ -224,20 +239,41 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def send_packed(group: WeightGroup, tensors: Sequence[torch.Tensor], bucket_bytes: int) -> None:
-    """Rank 0: broadcast `tensors` (CPU) bucket by bucket, in order."""
+    """Rank 0: broadcast `tensors` (CPU) bucket by bucket, in order. Buckets of several tensors are packed into one
+    buffer the group keeps (each broadcast returns only when sent, so it is free again): memory touched once, not a
+    fresh allocation per bucket, whose page faults cost more than the copy itself on the machines measured."""
     dtypes = [str(t.dtype).removeprefix("torch.") for t in tensors]
     for bucket in bucket_plan(dtypes, [list(t.shape) for t in tensors], bucket_bytes):
         parts = [_as_bytes(tensors[i]) for i in bucket]
-        group.broadcast(parts[0] if len(parts) == 1 else torch.cat(parts))
+        if len(parts) == 1:
+            group.broadcast(parts[0])
+            continue
+        size = sum(p.numel() for p in parts)
+        if group.pack_buffer is None or group.pack_buffer.numel() < size:
+            group.pack_buffer = torch.empty(size, dtype=torch.uint8)
+        packed = group.pack_buffer[:size]
+        torch.cat(parts, out=packed)
+        group.broadcast(packed)
 
 
 def receive_packed(group: WeightGroup, names: Sequence[str], dtypes: Sequence[str],
                    shapes: Sequence[Sequence[int]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """A member: yield one list of `(name, tensor)` per bucket as it arrives (views of a fresh buffer each). The
-    caller must consume every bucket (rank 0 sends them all), or close the group."""
-    for bucket in bucket_plan(dtypes, shapes, bucket_bytes):
+    """A member: yield one list of `(name, tensor)` per bucket as it arrives (views of one buffer per bucket). The
+    caller must consume every bucket (rank 0 sends them all), or close the group.
+
+    The buffers are the group's, kept from one version to the next (reallocated only when the plan changes): a
+    member therefore holds one copy of the state, as the shm path's mapped file does. Not fresh buffers per version,
+    because touching fresh memory was the whole cost here (0.1-0.5 GB/s of page faults on the 2-core VM measured,
+    against 1-3 GB/s for gloo itself); not one buffer reused within a version, because vLLM's layerwise reload keeps
+    the tensors it is given until their layer is complete (attention layers until the reload finishes). Reusing them
+    at the next version is safe: the reload has copied everything into the model's own tensors by then."""
+    plan = bucket_plan(dtypes, shapes, bucket_bytes)
+    cache = group.receive_buffers
+    for b, bucket in enumerate(plan):
         sizes = [num_bytes(dtypes[i], shapes[i]) for i in bucket]
-        buffer = torch.empty(sum(sizes), dtype=torch.uint8)
+        buffer = cache.get(b)
+        if buffer is None or buffer.numel() != sum(sizes):
+            buffer = cache[b] = torch.empty(sum(sizes), dtype=torch.uint8)
         group.broadcast(buffer)
         yield [(names[i], _typed(part, DTYPES[dtypes[i]], shapes[i])) for i, part in zip(bucket, buffer.split(sizes))]
 

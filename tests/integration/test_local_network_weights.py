@@ -77,7 +77,7 @@ def test_generator_killed_mid_broadcast_is_restarted_and_joins_the_next_version(
     s = trainer.run_summary
     assert killed, "the generator was never killed mid-broadcast"
     assert s["steps"] == steps
-    assert {int(g): n for g, n in s["generator_restarts"].items()} == {0: 1}
+    assert s["generator_restarts"] == 1
     assert min(s["generator_versions"].values()) >= steps - 1  # the restarted generator caught up
     check_staleness_records(tmp_path, steps, 1, s, dropped=0)
 

@@ -74,14 +74,14 @@ def _check_serves(engine, model) -> list[list[int]]:
 
 def test_packed_buckets_round_trip_any_dtype_mix():
     """The bucket plan both sides compute, and the byte views, on a mix that misaligns (a bool before floats)."""
-    names = ["a", "b", "c", "d"]
-    tensors = [torch.tensor([True, False, True]), torch.arange(6, dtype=torch.float32).view(2, 3),
-               torch.arange(5, dtype=torch.int64), torch.randn(40, dtype=torch.bfloat16)]
+    names = ["a", "b", "c", "d", "e"]
+    tensors = [torch.tensor([True, False, True]), torch.tensor([1.5, -2.0]), torch.tensor([7, -8, 9], dtype=torch.int16),
+               torch.randn(40, dtype=torch.bfloat16), torch.tensor([3], dtype=torch.int64)]
     dtypes = [str(t.dtype).removeprefix("torch.") for t in tensors]
     shapes = [list(t.shape) for t in tensors]
-    # 3 + 24 bytes reach 16: bucket [a, b]; 40 >= 16: [c]; the rest: [d]
-    assert broadcast.bucket_plan(dtypes, shapes, 16) == [range(0, 2), range(2, 3), range(3, 4)]
-
+    # with 16-byte buckets: 3 + 8 + 6 bytes reach 16 and close [a, b, c] (b and c land misaligned in it); d's 80 bytes
+    # travel alone; e (8) is what is left
+    assert broadcast.bucket_plan(dtypes, shapes, 16) == [range(0, 3), range(3, 4), range(4, 5)]
     # a real two-member gloo group on loopback, both ends in this process (the receiver on a thread)
     sock = broadcast.listen("127.0.0.1")
     info = broadcast.GroupInfo(host="127.0.0.1", port=sock.getsockname()[1], rank=1, world_size=2, timeout=60.0,
