@@ -271,8 +271,9 @@ class HTTPGeneratorPool:
         if self.transport is None:
             return False
         try:
+            # shm needs a backend that loads files (ours); a server on vLLM's nccl one takes the network only
             s.transport = choose_transport(self.weight_transport, self.describe(s.gid), same_gpu=False,
-                                           sees_shm=reads_shm)
+                                           sees_shm=reads_shm and backend in ("async_rlhf_gloo", "async_rlhf_shm"))
         except ValueError as exc:
             raise GeneratorFailed(f"generator start: {exc}") from None
         self.transport.use(s.transport)

@@ -4,9 +4,10 @@ Enumerated: the generator/learner split, vLLM tensor parallel size (1, 2, 4, 8; 
 servers), the learners' ZeRO stage (0 = DDP, 2, 3, 3 with offload: the configurations `launch/accelerate/` has; no
 ZeRO-1 config exists, and several nodes have only the ZeRO-3 one), the micro-batch (prompts per learner per
 micro-batch, dividing prompts per step) and `max_staleness` 0..4. A plan whose learner memory exceeds `FIT` of a
-device, or whose generator cannot hold one full-length sequence, is dropped. Generators sit on node 0 (the shared-memory weight transport needs the learners' host), so they
-get at most the GPUs of one node less node 0's learners; `any_node_generators` lifts that to predict what a
-cross-node transport would give (not runnable yet).
+device, or whose generator cannot hold one full-length sequence, is dropped. Generators sit on node 0 (the
+shared-memory weight transport needs the learners' host), so they get at most the GPUs of one node less node 0's
+learners; `any_node_generators` lifts that: generators on any node, as vLLM servers whose weights cross nodes over the
+network transport (`commands.any_node_command`). The sync is still costed as the shared-memory one.
 
 For each split the fastest fitting learner set-up (ZeRO stage, offload, micro-batch) is kept: the others have the
 same generation and a slower step. Each (split, staleness) is then simulated (`simulator.py`, streaming, drain).
