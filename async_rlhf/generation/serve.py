@@ -44,12 +44,13 @@ import threading
 import time
 import urllib.request
 
-from async_rlhf.weight_sync.broadcast import is_loopback  # the one rule for what counts as loopback
+from async_rlhf.config.checks import is_loopback  # the one rule for what counts as loopback
+from async_rlhf.weight_sync.network import PROBE_ROUTE, reads_probe
 
 TOKEN_ENV = "ASYNC_RLHF_GENERATOR_TOKEN"
 MIN_REMOTE_TOKEN_BYTES = 16
 READY_LINE = "async_rlhf generator server ready at"
-EXTENSION = "async_rlhf.generation.vllm_worker_extension.WeightSyncExtension"
+EXTENSION = "async_rlhf.generation.engine.vllm_worker_extension.WeightSyncExtension"
 MIDDLEWARE = "async_rlhf.generation.serve.BearerTokenMiddleware"
 DEFAULTS = {  # flag -> value (None: a switch), applied unless the user gave the flag (or its negation)
     "--worker-extension-cls": EXTENSION,
@@ -60,7 +61,6 @@ DEFAULTS = {  # flag -> value (None: a switch), applied unless the user gave the
     "--enable-scale-out": None,  # /inference/v1/generate: token ids in, tokens with weight-version spans out
 }
 CPU_DEFAULTS = {"--no-enable-chunked-prefill": None, "--kv-cache-memory-bytes": str(1 << 30)}
-PROBE_ROUTE = "/async_rlhf/weight_probe"
 MAX_PROBE_BODY = 4096
 
 
@@ -93,8 +93,6 @@ class BearerTokenMiddleware:
 
     async def probe(self, scope, receive, send):
         """`PROBE_ROUTE` (see the module docstring); served here because it is ours, not vLLM's."""
-        from async_rlhf.weight_sync.network import reads_probe
-
         body = b""
         while True:
             message = await receive()

@@ -34,7 +34,6 @@ default) or a private network; a non-loopback bind needs `allow_remote` (`listen
 from __future__ import annotations
 
 import datetime
-import ipaddress
 import math
 import secrets
 import socket
@@ -43,7 +42,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from async_rlhf.weight_sync.transport import WeightTransportError
+from async_rlhf.config.checks import is_loopback  # noqa: F401  (re-exported: the one loopback rule)
+from async_rlhf.errors import WeightTransportError
 
 # dtype names a weight update may carry: parsed with this table, never with getattr on torch
 DTYPES = {name: getattr(torch, name) for name in (
@@ -57,15 +57,6 @@ SOLO_BYTES = 1 << 20
 
 class WeightBroadcastError(WeightTransportError):
     """The weight broadcast failed, timed out or was refused; the message names the stage and version."""
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Learner rank 0's side of the "network" weight transport, and the choice of a transport per generator.
 
-Which transport a generator gets (`choose_transport`, config `weight_transport`):
+Which transport a generator gets (`config.checks.choose_transport`, config `weight_transport`):
     auto      CUDA IPC if it runs on learner rank 0's own GPU; shm if it can read learner rank 0's `shm_dir` (same
               host: a local process; a server that reads the learner's probe file); the network otherwise
     shm / ipc / network   forced (refused where it cannot work, naming the generator)
@@ -37,26 +37,12 @@ import threading
 
 import torch
 
+from async_rlhf.config.checks import NETWORK_BACKENDS
 from async_rlhf.types import WeightUpdate
 from async_rlhf.weight_sync.shm import ShmWeightTransport
 
-TRANSPORTS = ("auto", "shm", "ipc", "network")
-NETWORK_BACKENDS = ("gloo", "nccl")
 PROBE_PREFIX = "async_rlhf-probe-"
-
-
-def choose_transport(setting: str, who: str, *, same_gpu: bool, sees_shm: bool) -> str:
-    """The transport generator `who` gets for config `weight_transport=setting` (see the module docstring)."""
-    if setting not in TRANSPORTS:
-        raise ValueError(f"weight_transport: {setting!r} is not one of {TRANSPORTS}")
-    if setting == "auto":
-        return "ipc" if same_gpu else "shm" if sees_shm else "network"
-    if setting == "ipc" and not same_gpu:
-        raise ValueError(f"weight_transport='ipc' but {who} does not run on learner rank 0's GPU")
-    if setting == "shm" and not sees_shm:
-        raise ValueError(f"weight_transport='shm' but {who} cannot read learner rank 0's shm_dir (another host, or "
-                         "a private /dev/shm): use weight_transport='network' or 'auto'")
-    return setting
+PROBE_ROUTE = "/async_rlhf/weight_probe"  # served by generation/serve.py's middleware, asked by the HTTP pool
 
 
 def write_probe(shm_dir: str) -> tuple[str, str]:

@@ -10,14 +10,14 @@ trainer-side engine as a GPU deployment. It moves no tensors itself: the learner
 
 Two halves, as in vLLM's `nccl_engine.py`:
 - worker side, `ShmWeightTransferEngine`, registered with `WeightTransferEngineFactory` when the worker imports
-  our extension module (`generation/vllm_worker_extension.py`, named by `worker_extension_cls`), which happens
+  our extension module (`generation/engine/vllm_worker_extension.py`, named by `worker_extension_cls`), which happens
   before the worker builds the engine. Start, receive and finish are vLLM's layerwise reload, exactly as in its
   NCCL and IPC engines: `initialize_layerwise_reload`, `model.load_weights(views)`, `finalize_layerwise_reload`.
 - trainer side, `ShmTrainerWeightTransferEngine`, registered with `WeightTransferTrainerFactory`.
   `send_weights(update)` takes the `WeightUpdate` that `publish` returned and drives the round trip through any
   `VLLMWeightSyncClient`: vLLM's `HTTPVLLMWeightSyncClient` for a `vllm serve` started with
   `--weight-transfer-config '{"backend": "async_rlhf_shm"}'` and our `--worker-extension-cls`
-  (tests/integration/test_vllm_weight_routes.py), or `generation.vllm_backend.LLMClient` for the in-process
+  (tests/integration/test_vllm_weight_routes.py), or `generation.engine.vllm_backend.LLMClient` for the in-process
   `vllm.LLM` of our generator processes.
 
 Guarantees:

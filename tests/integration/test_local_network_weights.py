@@ -1,5 +1,5 @@
 """Local vLLM generator processes on the "network" weight transport (`weight_transport='network'`): each joins a
-gloo group of its own with learner rank 0 through its inbox (`generation/network_feeds.py`) and loads every version
+gloo group of its own with learner rank 0 through its inbox (`generation/pool/network_feeds.py`) and loads every version
 through vLLM's weight-transfer calls with our `async_rlhf_gloo` backend.
 
 Checks: two generators train to the end at max_staleness 0 with every version loaded by both, the per-sample

@@ -29,7 +29,7 @@ GREEDY = SamplingSettings(max_new_tokens=8, temperature=0.0, n=1)
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    from async_rlhf.generation.vllm_backend import VLLMBackend
+    from async_rlhf.generation.engine.vllm_backend import VLLMBackend
 
     backend = VLLMBackend(tiny_model_dir, dtype="float32", kv_cache_memory_bytes=64 << 20)
     yield backend
@@ -39,7 +39,7 @@ def engine(tiny_model_dir):
 @pytest.fixture(scope="module")
 def sender(engine):
     """Learner rank 0's channel to the engine: the group forms while vLLM's init route runs (same process here)."""
-    from async_rlhf.generation.vllm_backend import LLMClient
+    from async_rlhf.generation.engine.vllm_backend import LLMClient
     from async_rlhf.weight_sync.network import NetworkSender
 
     s = NetworkSender(LLMClient(engine.llm), workers=engine.num_workers, timeout=60.0, bucket_bytes=1 << 16)

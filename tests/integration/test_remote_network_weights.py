@@ -24,7 +24,7 @@ import pytest
 from async_rlhf import AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer
 from async_rlhf.data.tiny_model import save_tiny_model
 from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
-from async_rlhf.generation.pool_protocol import GeneratorFailed
+from async_rlhf.errors import GeneratorFailed
 from async_rlhf.generation.serve import TOKEN_ENV
 from run_records import check_staleness_records
 from test_remote_generators import start_server, stop_server
@@ -86,7 +86,7 @@ def test_private_shm_server_trains_over_the_network_logprobs_equal(private_serve
 
 
 def test_rendezvous_refuses_a_wrong_token_and_forced_shm(private_server, tmp_path, monkeypatch):
-    from async_rlhf.generation.http_client import Unauthorized, WeightSyncClient, base_url
+    from async_rlhf.generation.pool.http_client import Unauthorized, WeightSyncClient, base_url
     from async_rlhf.weight_sync.network import NetworkSender
 
     address, token, model_dir, _ = private_server

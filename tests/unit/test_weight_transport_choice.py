@@ -1,4 +1,4 @@
-"""Which weight transport a generator gets (`weight_sync.network.choose_transport`, config `weight_transport`), the
+"""Which weight transport a generator gets (`config.checks.choose_transport`, config `weight_transport`), the
 checks on the network transport's settings, the group info a generator accepts, and the probe that tells a server on
 another host (or with a private /dev/shm) from one on learner rank 0's host."""
 
@@ -9,9 +9,10 @@ import os
 import pytest
 
 from async_rlhf import AsyncOnlineDPOConfig
-from async_rlhf.config import ConfigError
+from async_rlhf.errors import ConfigError
 from async_rlhf.weight_sync import broadcast
-from async_rlhf.weight_sync.network import StateTransport, choose_transport, for_transport, reads_probe, write_probe
+from async_rlhf.config.checks import choose_transport
+from async_rlhf.weight_sync.network import StateTransport, for_transport, reads_probe, write_probe
 
 
 def test_auto_is_ipc_on_the_learners_gpu_shm_on_its_host_network_otherwise():
