@@ -262,12 +262,12 @@ def measure_shm(size: str, repeats: int, threads: int) -> dict:
             **{f"shm_{k}": r[k] for k in ("start", "update", "finish", "reload")}}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", nargs="+", default=["tiny", "100M"], choices=list(SIZES))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch/OMP threads of every measuring process")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     rows = []
     for size in args.sizes:
         row = measure_http(size, args.repeats, args.threads)
