@@ -77,7 +77,9 @@ class VLLMBackend:
         enable_prefix_caching: bool = True,
         kv_cache_memory_bytes: int | None = None,  # None: DEFAULT_CPU_KV_CACHE_BYTES on CPU, the fraction on GPU
         in_process: bool = True,  # VLLM_ENABLE_V1_MULTIPROCESSING=0; see the module docstring
-        weight_transport: str = "shm",  # "ipc": colocated on learner rank 0's GPU (vLLM's own "ipc" engine)
+        # "shm": our async_rlhf_gloo backend (loads shm files and "network" updates); "ipc": colocated on learner
+        # rank 0's GPU (vLLM's own "ipc" engine)
+        weight_transport: str = "shm",
     ) -> None:
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
