@@ -75,8 +75,9 @@ def _check_serves(engine, model) -> list[list[int]]:
 def test_packed_buckets_round_trip_any_dtype_mix():
     """The bucket plan both sides compute, and the byte views, on a mix that misaligns (a bool before floats)."""
     names = ["a", "b", "c", "d", "e"]
-    tensors = [torch.tensor([True, False, True]), torch.tensor([1.5, -2.0]), torch.tensor([7, -8, 9], dtype=torch.int16),
-               torch.randn(40, dtype=torch.bfloat16), torch.tensor([3], dtype=torch.int64)]
+    tensors = [torch.tensor([True, False, True]), torch.tensor([1.5, -2.0]),
+               torch.tensor([7, -8, 9], dtype=torch.int16), torch.randn(40, dtype=torch.bfloat16),
+               torch.tensor([3], dtype=torch.int64)]
     dtypes = [str(t.dtype).removeprefix("torch.") for t in tensors]
     shapes = [list(t.shape) for t in tensors]
     # with 16-byte buckets: 3 + 8 + 6 bytes reach 16 and close [a, b, c] (b and c land misaligned in it); d's 80 bytes

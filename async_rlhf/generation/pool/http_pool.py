@@ -20,7 +20,8 @@ decided at start (`config.checks.choose_transport`, config `weight_transport`): 
 into `shm_dir` and asks the server whether it reads it (`POST /async_rlhf/weight_probe`); a server that does gets the
 shm file (`async_rlhf_shm`'s trainer engine), one that does not (another host, a private /dev/shm) the network: a
 group of its own with learner rank 0, formed at start through the token-protected `/init_weight_transfer_engine`
-route, and per version vLLM's `/update_weights` while rank 0 broadcasts (`weight_sync.network.NetworkSender`). With `weight_load="drain"` it first waits for the server's in-flight
+route, and per version vLLM's `/update_weights` while rank 0 broadcasts (`weight_sync.network.NetworkSender`).
+With `weight_load="drain"` it first waits for the server's in-flight
 requests to finish, so every sample has one version. With "in_flight" it loads at once: `/pause?mode=keep` freezes
 the running requests in the engine, the weights load, `/reset_prefix_cache?reset_running_requests=true` makes the
 running requests recompute their context with the new weights (as the local streaming generator does), and
