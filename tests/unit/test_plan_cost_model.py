@@ -143,3 +143,14 @@ def test_any_node_plan_prints_servers_per_node_and_the_network_flags():
     assert "--weight_sync_host <node 0 address> --allow_remote true" in lines[-1]
     # tp 8 cannot fit in the 4 devices a node has left: no command rather than a generator split across nodes
     assert "no command" in any_node_command(cm.Plan(learners=8, generators=1, tp=8, nodes=2), cm.Workload(), 8)
+
+
+def test_network_sync_blocks_the_learner_for_the_gather_only():
+    """The network transport: no shm write on the learner's side; each generator receives the bytes over its node's
+    link at the benchmark's wire/socket ratio."""
+    plan = cm.Plan(learners=8, generators=2, tp=2, nodes=2)
+    shm_publish, _ = cm.sync_seconds(SEVEN_B, H100, plan)
+    publish, load = cm.sync_seconds(SEVEN_B, H100, plan, network=True)
+    size = H100.dtype_bytes * SEVEN_B.params
+    assert publish == pytest.approx(shm_publish - size / H100.shm_bandwidth)
+    assert load == pytest.approx(size * cm.NETWORK_WIRE_RATIO / (H100.network_bandwidth * H100.comm_efficiency))
