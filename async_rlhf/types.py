@@ -148,21 +148,30 @@ class GenerationRequest:
 class WeightUpdate:
     """Learner -> generator: load the policy at `version`.
 
-    transport "shm": a safetensors file in RAM (/dev/shm) at `path`; "broadcast": tensors arrive over the
-    torch.distributed group set up with the generator (`weight_sync/broadcast.py`), one per entry of `names`, in
-    that order, each with the dtype and shape given here; "ipc": each tensor is learner rank 0's device memory, named
+    transport "shm": a safetensors file in RAM (/dev/shm) at `path`; "network": the bytes arrive over the gloo
+    group the generator joined (`WeightGroupJoin`), in packed buckets in `names` order, each tensor with the dtype
+    and shape given here (`weight_sync/broadcast.py`); "ipc": each tensor is learner rank 0's device memory, named
     by a CUDA IPC handle per entry of `names` (`weight_sync/ipc.py`; colocated mode).
     """
 
     version: int
-    transport: str  # "shm" | "broadcast" | "ipc"
+    transport: str  # "shm" | "network" | "ipc"
     path: str = ""
     names: list[str] = field(default_factory=list)  # [K] state_dict names
     num_bytes: int = 0
-    dtypes: list[str] = field(default_factory=list)  # [K] torch dtype names ("float32", ...); "broadcast" and "ipc"
-    shapes: list[list[int]] = field(default_factory=list)  # [K] tensor shapes; "broadcast" and "ipc"
+    dtypes: list[str] = field(default_factory=list)  # [K] torch dtype names ("float32", ...); "network" and "ipc"
+    shapes: list[list[int]] = field(default_factory=list)  # [K] tensor shapes; "network" and "ipc"
     ipc_handles: list[dict] = field(default_factory=list)  # [K] {GPU UUID: reduce_tensor args}; "ipc" only
     kind = "weights"
+
+
+@dataclass(frozen=True)
+class WeightGroupJoin:
+    """Learner -> generator: join learner rank 0's weight group (vLLM's `init_weight_transfer_engine` payload,
+    `{"group": weight_sync.broadcast.GroupInfo}`); queued ahead of any "network" update."""
+
+    init_info: dict
+    kind = "weight_group"
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,12 @@ of the same seed trained.
     python benchmarks/faults.py --trials 30
     python benchmarks/faults.py --trials 4 --quick       # the slow test tier's form: one learner rank only
     python benchmarks/faults.py --trials 8 --quick --backend vllm   # streaming vLLM generators (slower starts)
+    python benchmarks/faults.py --trials 4 --quick --backend vllm_network   # the same, weights over the network
 
 Each trial starts a short online DPO run on the toy task (transformers generator, or with `--backend vllm` a
-streaming vLLM generator loading weights in flight, `max_staleness` 1, a checkpoint
+streaming vLLM generator loading weights in flight, with `--backend vllm_network` the same generator fed over the
+network weight transport, `weight_transport='network'`, where no weight file appears and so mid_weight_sync is not
+drawn: tests/integration/test_local_network_weights.py kills a generator mid-broadcast; `max_staleness` 1, a checkpoint
 every 3 steps, its own `--shm_dir` under the campaign directory) in a session of its own, then SIGKILLs one
 randomly chosen victim at one randomly chosen fault point:
 
@@ -348,7 +351,7 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trials", type=int, default=30)
-    p.add_argument("--backend", default="transformers", choices=["transformers", "vllm"])
+    p.add_argument("--backend", default="transformers", choices=["transformers", "vllm", "vllm_network"])
     p.add_argument("--quick", action="store_true", help="one learner rank only (no accelerate launch): faster")
     p.add_argument("--max_steps", type=int, default=12)
     p.add_argument("--seed", type=int, default=0, help="seed of the campaign's random choices")
@@ -357,8 +360,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default=None, help="where runs are kept (default: a new temporary directory); the "
                                                "output of exact trials is deleted, that of the others kept")
     a = p.parse_args(argv)
-    if a.backend == "vllm":
+    if a.backend in ("vllm", "vllm_network"):
         GENERATOR[:] = ["--generator_backend", "vllm", "--weight_load", "in_flight"]
+    if a.backend == "vllm_network":
+        GENERATOR.extend(["--weight_transport", "network"])
+        POINTS.remove("mid_weight_sync")  # no weight file to watch for
     rng = random.Random(a.seed)
     root = a.dir or tempfile.mkdtemp(prefix="async_rlhf-faults-")
     os.makedirs(root, exist_ok=True)

@@ -22,6 +22,8 @@ from async_rlhf.config.checks import (
     check_elastic,
     check_generator_servers,
     check_types,
+    check_weight_transport,
+    choose_transport,
     comma_list,
 )
 from async_rlhf.config.trl_fields import apply_trl_fields
@@ -216,6 +218,28 @@ class AsyncRLConfig(TrainingArguments):
                   "field: configs are saved with checkpoints)."},
     )
     shm_dir: str = field(default="/dev/shm", metadata={"help": "RAM-backed directory for the shm weight transport."})
+    weight_transport: str = field(
+        default="auto",
+        metadata={"help": "How weights reach each generator: 'auto' (CUDA IPC on learner rank 0's own GPU, shm on its "
+                  "host, the network otherwise: a server that cannot read learner rank 0's shm_dir is recognised "
+                  "by a probe file), or 'shm' / 'ipc' / 'network' for all (refused, naming the generator, where it "
+                  "cannot work). 'network' is vLLM's weight-transfer interface over a group of its own per "
+                  "generator: our gloo backend on CPU, vLLM's nccl one on GPUs (network_backend)."},
+    )
+    network_backend: str = field(
+        default="auto", metadata={"help": "The network transport's engine: 'gloo' (CPU; the generator runs our "
+                                  "async_rlhf_gloo backend, the serve launcher's default), 'nccl' (vLLM's own; "
+                                  "the generator must be started with --weight-transfer-config "
+                                  "'{\"backend\": \"nccl\"}'), 'auto': nccl on a CUDA learner, else gloo."},
+    )
+    weight_sync_host: str = field(
+        default="127.0.0.1",
+        metadata={"help": "Address on learner rank 0 where network weight groups listen (generators on other hosts "
+                  "must reach it). Anything but loopback needs allow_remote: gloo and NCCL authenticate nobody."},
+    )
+    allow_remote: bool = field(
+        default=False, metadata={"help": "Let weight_sync_host be a non-loopback address (a private network)."},
+    )
     vllm_gpu_memory_utilization: float = field(default=0.55, metadata={"help": "vLLM GPU memory fraction."})
     vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "vLLM tensor parallel size (GPU only)."})
     vllm_enforce_eager: bool = field(default=True, metadata={"help": "Disable CUDA graphs / compilation in vLLM."})
@@ -345,6 +369,7 @@ class AsyncRLConfig(TrainingArguments):
         check_elastic(self)
         check_combinations(self)
         check_dir("shm_dir", self.shm_dir)
+        check_weight_transport(self)
         _require(self.reward_failure in REWARD_FAILURE_POLICIES, "reward_failure",
                  f"{self.reward_failure!r} is not one of {REWARD_FAILURE_POLICIES}")
         _require(len(self.generator_devices) >= 1, "generator_devices", "needs at least one device")
@@ -394,13 +419,19 @@ class AsyncRLConfig(TrainingArguments):
         return max(1, (cores - local_generators * self.generator_threads) // local_ranks)
 
     @property
-    def weight_transport(self) -> str:
-        """'ipc' when every generator is colocated on learner rank 0's GPU (cuda:0 of its node: learners take
-        cuda:0..n-1), else 'shm'."""
-        if self.colocate and not self.generator_servers and self.device.type == "cuda" and all(
-                d == "cuda:0" for d in self.generator_devices):
-            return "ipc"
-        return "shm"
+    def local_weight_transport(self) -> str:
+        """What local generator processes get (`checks.choose_transport`): with 'auto', 'ipc' when every generator is
+        colocated on learner rank 0's GPU (cuda:0 of its node: learners take cuda:0..n-1), else 'shm'."""
+        same_gpu = self.colocate and not self.generator_servers and self.device.type == "cuda" and all(
+            d == "cuda:0" for d in self.generator_devices)
+        return choose_transport(self.weight_transport, "local generators", same_gpu=same_gpu, sees_shm=True)
+
+    @property
+    def network_engine(self) -> str:
+        """'gloo' or 'nccl': `network_backend` with 'auto' resolved by the learner's device."""
+        if self.network_backend != "auto":
+            return self.network_backend
+        return "nccl" if self.device.type == "cuda" else "gloo"
 
     @property
     def sampling_temperature(self) -> float:

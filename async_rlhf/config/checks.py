@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import ipaddress
 import json
 import math
 import os
@@ -188,6 +189,65 @@ def check_counts(config) -> None:
         value = getattr(config, name)
         if not isinstance(value, int) or value < 0:
             raise ConfigError(f"{name}: must be an integer >= 0, got {value!r}")
+
+
+
+
+
+
+WEIGHT_TRANSPORTS = ("auto", "shm", "ipc", "network")
+NETWORK_BACKENDS = ("gloo", "nccl")
+
+
+def is_loopback(host: str) -> bool:
+    """The one rule for what counts as loopback (server binds, weight groups)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def choose_transport(setting: str, who: str, *, same_gpu: bool, sees_shm: bool) -> str:
+    """The weight transport generator `who` gets for `weight_transport=setting`: with 'auto', CUDA IPC on learner rank
+    0's own GPU, shm where it can read rank 0's `shm_dir`, the network otherwise; a forced one that cannot work is a
+    ValueError naming the generator (see `weight_sync/network.py`)."""
+    if setting not in WEIGHT_TRANSPORTS:
+        raise ValueError(f"weight_transport: {setting!r} is not one of {WEIGHT_TRANSPORTS}")
+    if setting == "auto":
+        return "ipc" if same_gpu else "shm" if sees_shm else "network"
+    if setting == "ipc" and not same_gpu:
+        raise ValueError(f"weight_transport='ipc' but {who} does not run on learner rank 0's GPU")
+    if setting == "shm" and not sees_shm:
+        raise ValueError(f"weight_transport='shm' but {who} cannot read learner rank 0's shm_dir (another host, or "
+                         "a private /dev/shm): use weight_transport='network' or 'auto'")
+    return setting
+
+
+def check_weight_transport(config) -> None:
+    """`weight_transport`, `network_backend`, `weight_sync_host` and `allow_remote` agree with each other and with
+    the generators."""
+    if config.weight_transport not in WEIGHT_TRANSPORTS:
+        raise ConfigError(f"weight_transport: {config.weight_transport!r} is not one of {WEIGHT_TRANSPORTS}")
+    if config.network_backend not in ("auto",) + NETWORK_BACKENDS:
+        raise ConfigError(f"network_backend: {config.network_backend!r} is not one of {('auto',) + NETWORK_BACKENDS}")
+    if not is_loopback(config.weight_sync_host) and not config.allow_remote:
+        raise ConfigError(f"weight_sync_host: {config.weight_sync_host!r} is not a loopback address; set "
+                          "allow_remote=True to let generators on other machines join weight groups (gloo and NCCL "
+                          "authenticate nobody: use a private network)")
+    if config.generator_servers:
+        if config.weight_transport == "ipc":
+            raise ConfigError("weight_transport: 'ipc' needs generators on learner rank 0's GPU; generator_servers "
+                              "are separate servers (use 'auto', 'shm' or 'network')")
+        return
+    if config.weight_transport == "network" and config.generator_backend == "transformers":
+        raise ConfigError("weight_transport: 'network' needs vLLM generators (generator_backend='transformers' loads "
+                          "shm or ipc updates only)")
+    try:
+        config.local_weight_transport
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 # ---- option combinations ---------------------------------------------------------------------------------------

@@ -12,8 +12,12 @@ Every other argument is vLLM's (`python -m vllm.entrypoints.openai.api_server --
   401 (compared in constant time). The token is not encryption: use a private network or a tunnel;
 * `--host 127.0.0.1` by default; any other address needs `--allow_remote` and a token of at least 16 bytes (a
   loopback server without a token is allowed, with a warning: other users of this machine can drive it);
-* defaults the trainer relies on, each kept if given: our worker extension (registers the `async_rlhf_shm`
-  weight backend in vLLM's workers), `--weight-transfer-config '{"backend": "async_rlhf_shm"}'`,
+* `POST /async_rlhf/weight_probe` (behind the token too): `{"path", "nonce"}` -> `{"reads_shm": bool, "workers": int,
+  "weight_backend": str}`: whether this server reads `nonce` in the learner's probe file (a file named
+  `async_rlhf-probe-*`; nothing else is opened, and only the comparison is answered), how many vLLM workers it has
+  (members of a weight group) and its weight-transfer backend. The trainer picks shm or the network from it;
+* defaults the trainer relies on, each kept if given: our worker extension (registers our weight backends in
+  vLLM's workers), `--weight-transfer-config '{"backend": "async_rlhf_gloo"}'` (loads shm files and the network),
   `--logprobs-mode processed_logprobs` (behaviour log-probs of the distribution actually sampled),
   `--generation-config vllm` (else omitted sampling fields come from the model's generation config),
   `--enable-prefix-caching`, `--enable-scale-out` (the token-in token-out route `/inference/v1/generate`, whose
@@ -23,15 +27,15 @@ Every other argument is vLLM's (`python -m vllm.entrypoints.openai.api_server --
 * `--port 0` picks a free port; once the server answers `/health`, one line `READY_LINE http://host:port` is
   printed on stdout.
 
-Weights: `async_rlhf_shm` loads a file the learner wrote, so a CPU server must share the learner's host (and its
-`shm_dir`). Across hosts, use GPUs and vLLM's `nccl` backend (not wired in the trainer yet: see
-docs/architecture.md, "Remote generators").
+Weights: `async_rlhf_gloo` loads the learner's shm file when the server can read it (same host), and otherwise
+receives the bytes over a gloo group it joins through `/init_weight_transfer_engine` (`weight_sync/network.py`), so a
+server on another host, or with a private /dev/shm, needs no flag. On GPUs, `--weight-transfer-config '{"backend":
+"nccl"}'` makes it vLLM's own nccl engine (the trainer's `network_backend='nccl'`; unrun in CI).
 """
 
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import json
 import os
 import socket
@@ -40,6 +44,9 @@ import threading
 import time
 import urllib.request
 
+from async_rlhf.config.checks import is_loopback  # the one rule for what counts as loopback
+from async_rlhf.weight_sync.network import PROBE_ROUTE, reads_probe
+
 TOKEN_ENV = "ASYNC_RLHF_GENERATOR_TOKEN"
 MIN_REMOTE_TOKEN_BYTES = 16
 READY_LINE = "async_rlhf generator server ready at"
@@ -47,13 +54,14 @@ EXTENSION = "async_rlhf.generation.engine.vllm_worker_extension.WeightSyncExtens
 MIDDLEWARE = "async_rlhf.generation.serve.BearerTokenMiddleware"
 DEFAULTS = {  # flag -> value (None: a switch), applied unless the user gave the flag (or its negation)
     "--worker-extension-cls": EXTENSION,
-    "--weight-transfer-config": json.dumps({"backend": "async_rlhf_shm"}),
+    "--weight-transfer-config": json.dumps({"backend": "async_rlhf_gloo"}),
     "--logprobs-mode": "processed_logprobs",
     "--generation-config": "vllm",
     "--enable-prefix-caching": None,
     "--enable-scale-out": None,  # /inference/v1/generate: token ids in, tokens with weight-version spans out
 }
 CPU_DEFAULTS = {"--no-enable-chunked-prefill": None, "--kv-cache-memory-bytes": str(1 << 30)}
+MAX_PROBE_BODY = 4096
 
 
 class BearerTokenMiddleware:
@@ -75,23 +83,44 @@ class BearerTokenMiddleware:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] not in ("http", "websocket") or self.authorized(scope):
+            if scope["type"] == "http" and scope.get("path") == PROBE_ROUTE:
+                return await self.probe(scope, receive, send)
             return await self.app(scope, receive, send)
         if scope["type"] == "websocket":
             return await send({"type": "websocket.close", "code": 1008})
-        body = b'{"error": "unauthorized: wrong or missing bearer token"}'
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"www-authenticate", b"Bearer")]})
-        await send({"type": "http.response.body", "body": body})
+        await _answer(send, 401, {"error": "unauthorized: wrong or missing bearer token"},
+                      [(b"www-authenticate", b"Bearer")])
+
+    async def probe(self, scope, receive, send):
+        """`PROBE_ROUTE` (see the module docstring); served here because it is ours, not vLLM's."""
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if len(body) > MAX_PROBE_BODY:
+                return await _answer(send, 413, {"error": "probe body too large"})
+            if not message.get("more_body"):
+                break
+        try:
+            asked = json.loads(body)
+            path, nonce = asked["path"], asked["nonce"]
+            if not (isinstance(path, str) and isinstance(nonce, str)):
+                raise TypeError("path and nonce must be strings")
+        except (ValueError, KeyError, TypeError) as exc:
+            return await _answer(send, 400, {"error": f"probe: {type(exc).__name__}: {exc}"})
+        config = scope["app"].state.vllm_config
+        parallel = config.parallel_config
+        await _answer(send, 200, {"reads_shm": reads_probe(path, nonce),
+                                  "workers": parallel.world_size * parallel.data_parallel_size,
+                                  "weight_backend": getattr(config.weight_transfer_config, "backend", None)})
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+async def _answer(send, status: int, content: dict, headers: list | None = None) -> None:
+    body = json.dumps(content).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def check_bind(host: str, allow_remote: bool, token: str) -> None:

@@ -62,6 +62,38 @@ def launch_command(plan: Plan, w: Workload, cpu: bool = False, recipe: str = "re
             f"{launcher} {recipe} HUB {flags} --generator_servers {' '.join(addresses)} --output_dir {output_dir}")
 
 
+def any_node_command(plan: Plan, w: Workload, gpus_per_node: int, recipe: str = "recipes/online_dpo.py",
+                     output_dir: str = "outputs/plan") -> str:
+    """The commands for a plan whose generators sit on any node (`--any_node_generators`): learners take
+    `cuda:0..k-1` of every node, generators the next devices, node by node; every generator is a vLLM server (on
+    node n, started there) reached with `--generator_servers`, and a server that cannot read node 0's `shm_dir` gets
+    its weights over the network (vLLM's nccl engine on GPUs), so rank 0 listens on its node's address."""
+    per_node = plan.learners // plan.nodes
+    slots = [(n, first) for n in range(plan.nodes)  # a generator's tp devices stay on one node
+             for first in range(per_node, gpus_per_node - plan.tp + 1, plan.tp)]
+    if len(slots) < plan.generators:
+        return (f"(no command: {plan.generators} generators of tp {plan.tp} do not fit on the devices the "
+                f"{plan.learners} learners leave on {plan.nodes} nodes of {gpus_per_node} without splitting one)")
+    lines, addresses = ["export ASYNC_RLHF_GENERATOR_TOKEN=<secret>  # on every node"], []
+    for i in range(plan.generators):
+        node, first = slots[i]
+        devs = ",".join(str(d) for d in range(first, first + plan.tp))
+        port = 8760 + i
+        host = "127.0.0.1" if node == 0 else "0.0.0.0"
+        remote = "" if node == 0 else " --allow_remote"
+        lines.append(f"# node {node}: CUDA_VISIBLE_DEVICES={devs} python -m async_rlhf.generation.serve --model <policy> "
+                     f"--host {host} --port {port} --tensor-parallel-size {plan.tp}{remote} --weight-transfer-config "
+                     "'{\"backend\": \"nccl\"}' &")
+        addresses.append(f"127.0.0.1:{port}" if node == 0 else f"<node {node} address>:{port}")
+    launcher = (f"accelerate launch --config_file launch/accelerate/multi_node_zero3.yaml --num_processes "
+                f"{plan.learners} --num_machines {plan.nodes} --machine_rank 0 --main_process_ip <node 0 address>"
+                if plan.nodes > 1 else "accelerate launch --config_file launch/accelerate/gpu_deepspeed_zero3.yaml "
+                f"--num_processes {plan.learners}")
+    lines.append(f"{launcher} {recipe} HUB {recipe_flags(plan, w, cpu=False)} --generator_servers {' '.join(addresses)} "
+                 f"--weight_sync_host <node 0 address> --allow_remote true --output_dir {output_dir}")
+    return "\n".join(lines)
+
+
 def describe(plan: Plan) -> str:
     zero = "DDP" if plan.zero_stage == 0 else f"ZeRO-{plan.zero_stage}" + ("+offload" if plan.offload else "")
     if plan.learners == 1:

@@ -180,13 +180,22 @@ def train_seconds(shape: ModelShape, dev: DeviceProfile, w: Workload, plan: Plan
     return compute + comm + offload
 
 
-def sync_seconds(shape: ModelShape, dev: DeviceProfile, plan: Plan) -> tuple[float, float]:
-    """(learner seconds per sync, generator seconds per load) for the shared-memory transport."""
+# seconds of the network transport's wire over those of a plain socket moving the same bytes on the same link: the
+# worse of the two invocations of benchmarks/weight_broadcast.py in docs/performance.md (1.36x, one generator)
+NETWORK_WIRE_RATIO = 1.36
+
+
+def sync_seconds(shape: ModelShape, dev: DeviceProfile, plan: Plan, network: bool = False) -> tuple[float, float]:
+    """(learner seconds per sync, generator seconds per load) for the shared-memory transport, or with `network` for
+    the network transport (generators on any node): the learner is blocked for the gather only (the send runs on the
+    pool's thread), and a generator's load is the bytes over the node's link at `NETWORK_WIRE_RATIO` of a socket."""
     size = dev.dtype_bytes * shape.params
-    if dev.sync_seconds_per_gb is not None:
+    if dev.sync_seconds_per_gb is not None and not network:
         return size / GB * dev.sync_seconds_per_gb, size / GB * (dev.load_seconds_per_gb or dev.sync_seconds_per_gb)
     gather = size / _learner_link(dev, plan) if plan.zero_stage == 3 and plan.learners > 1 else 0.0
     to_host = size / dev.host_bandwidth if dev.kind == "gpu" else 0.0
+    if network:
+        return gather + to_host, size * NETWORK_WIRE_RATIO / (dev.network_bandwidth * dev.comm_efficiency)
     publish = gather + to_host + size / dev.shm_bandwidth
     load = size / dev.shm_bandwidth + (size / plan.tp / dev.host_bandwidth if dev.kind == "gpu" else 0.0)
     return publish, load

@@ -4,9 +4,10 @@ Enumerated: the generator/learner split, vLLM tensor parallel size (1, 2, 4, 8; 
 servers), the learners' ZeRO stage (0 = DDP, 2, 3, 3 with offload: the configurations `launch/accelerate/` has; no
 ZeRO-1 config exists, and several nodes have only the ZeRO-3 one), the micro-batch (prompts per learner per
 micro-batch, dividing prompts per step) and `max_staleness` 0..4. A plan whose learner memory exceeds `FIT` of a
-device, or whose generator cannot hold one full-length sequence, is dropped. Generators sit on node 0 (the shared-memory weight transport needs the learners' host), so they
-get at most the GPUs of one node less node 0's learners; `any_node_generators` lifts that to predict what a
-cross-node transport would give (not runnable yet).
+device, or whose generator cannot hold one full-length sequence, is dropped. Generators sit on node 0 (the
+shared-memory weight transport needs the learners' host), so they get at most the GPUs of one node less node 0's
+learners; `any_node_generators` lifts that: generators on any node, as vLLM servers whose weights cross nodes over the
+network transport (`commands.any_node_command`), its sync costed as such (`cost_model.sync_seconds`).
 
 For each split the fastest fitting learner set-up (ZeRO stage, offload, micro-batch) is kept: the others have the
 same generation and a slower step. Each (split, staleness) is then simulated (`simulator.py`, streaming, drain).
@@ -79,7 +80,10 @@ def splits(dev: DeviceProfile, gpus: int, nodes: int, any_node_generators: bool)
         for g in range(1, gpus // tp + 1):
             if nodes == 1 or any_node_generators:
                 learners = gpus - g * tp
-                if learners >= 1 and (nodes == 1 or learners % nodes == 0):
+                # on several nodes each generator's tp devices must sit on one node, beside that node's learners
+                fits = nodes == 1 or (learners % nodes == 0 and
+                                      nodes * ((per_node - learners // nodes) // tp) >= g)
+                if learners >= 1 and fits:
                     yield learners, g, tp
             else:  # generators on node 0 beside its learners; the same number of learners on every node
                 k = per_node - g * tp
@@ -89,8 +93,9 @@ def splits(dev: DeviceProfile, gpus: int, nodes: int, any_node_generators: bool)
 
 def evaluate_split(shape: ModelShape, dev: DeviceProfile, w: cm.Workload, learners: int, generators: int, tp: int,
                    nodes: int, staleness=range(5), seeds: int = 1, devices: int | None = None,
-                   micro_batch: int | None = None) -> list[Evaluated]:
-    """Each staleness of one split with its fastest fitting learner set-up (of micro-batch `micro_batch` if given)."""
+                   micro_batch: int | None = None, network: bool = False) -> list[Evaluated]:
+    """Each staleness of one split with its fastest fitting learner set-up (of micro-batch `micro_batch` if given);
+    `network`: weights go over the network transport (generators on any node)."""
     gen_mem = cm.generator_memory(shape, dev, w, tp)
     if gen_mem["max_running"] < 1:
         return []
@@ -103,7 +108,7 @@ def evaluate_split(shape: ModelShape, dev: DeviceProfile, w: cm.Workload, learne
     out = []
     for s in staleness:
         plan = cm.Plan(learners, generators, tp, stage, offload, mb, s, nodes)
-        publish, load = cm.sync_seconds(shape, dev, plan)
+        publish, load = cm.sync_seconds(shape, dev, plan, network)
         times, stale = [], 0.0
         for seed in range(seeds):
             r = simulate(SimConfig(steps=max(SIM_STEPS, 4 * (s + 1)), max_staleness=s,
@@ -138,7 +143,8 @@ def search(shape: ModelShape, dev: DeviceProfile, w: cm.Workload, gpus: int, nod
         for learners, generators, tp in splits(dev, count, n_nodes, any_node_generators):
             if any(want is not None and want != got for want, got in zip(split, (learners, generators, tp))):
                 continue
-            out += evaluate_split(shape, dev, w, learners, generators, tp, n_nodes, seeds=seeds, devices=count)
+            out += evaluate_split(shape, dev, w, learners, generators, tp, n_nodes, seeds=seeds, devices=count,
+                                  network=any_node_generators and n_nodes > 1)
     return sorted(out, key=rank_key)
 
 

@@ -18,8 +18,8 @@ __all__ = ["gather_full_state", "make_transport", "ShmWeightTransport"]
 
 
 def make_transport(args, device):
-    """The transport `args.weight_transport` names, for local generator processes; `device`: learner rank 0's."""
-    if args.weight_transport == "ipc":
+    """The transport for local generator processes (`args.local_weight_transport`); `device`: learner rank 0's."""
+    if args.local_weight_transport == "ipc":
         from async_rlhf.weight_sync.ipc import IpcWeightTransport
 
         return IpcWeightTransport(device)

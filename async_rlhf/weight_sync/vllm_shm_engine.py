@@ -104,7 +104,10 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         update, a missing file or a file whose names differ from the update's is refused with every layer put
         back as it was (vLLM has already moved them to the meta device in `start_weight_update`)."""
         try:
-            info = self.parse_update_info(update_info)
+            try:  # not parse_update_info: a subclass (the gloo engine) takes other updates too
+                info = ShmUpdateInfo(**update_info)
+            except TypeError as exc:
+                raise ValueError(f"invalid {BACKEND!r} update_info: {exc}") from None
             if not os.path.isfile(info.path):
                 raise FileNotFoundError(f"weights v{info.version}: {info.path} does not exist in the vLLM worker "
                                         f"(backend {BACKEND!r} needs the trainer on the same host)")

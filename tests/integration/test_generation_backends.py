@@ -264,13 +264,14 @@ def test_load_weights_rejects_bad_updates(vllm_backend, hf_backend, new_weights,
         vllm_backend.load_weights(WeightUpdate(version=1, transport="carrier-pigeon"))
     with pytest.raises(NotImplementedError):
         hf_backend.load_weights(WeightUpdate(version=1, transport="carrier-pigeon"))
-    # "broadcast" needs the group first (weight_sync/broadcast.py; exercised in test_weight_broadcast.py)
-    with pytest.raises(RuntimeError, match="join_weight_group"):
-        hf_backend.load_weights(WeightUpdate(version=1, transport="broadcast"))
+    # "network" needs the group first (weight_sync/vllm_gloo_engine.py; exercised in test_network_weights.py); the
+    # transformers backend does not take it
+    with pytest.raises(NotImplementedError):
+        hf_backend.load_weights(WeightUpdate(version=1, transport="network"))
     full = new_weights[1].state_dict()
-    update = WeightUpdate(version=1, transport="broadcast", names=list(full), dtypes=["float32"] * len(full),
+    update = WeightUpdate(version=1, transport="network", names=list(full), dtypes=["float32"] * len(full),
                           shapes=[list(t.shape) for t in full.values()])
-    with pytest.raises(Exception, match="join_weight_group"):
+    with pytest.raises(Exception, match="init_weight_transfer_engine"):
         vllm_backend.load_weights(update)
     with pytest.raises(ValueError, match="shapes differ"):
         vllm_backend.load_weights(WeightUpdate(**{**update.__dict__, "shapes": [[1]] * len(full)}))

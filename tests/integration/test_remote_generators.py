@@ -33,11 +33,14 @@ from async_rlhf.generation.serve import READY_LINE, TOKEN_ENV
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def start_server(model_dir: str, token: str) -> tuple[subprocess.Popen, str, list[str]]:
-    """A generator server process; returns it, its address and its log so far (kept filling by a thread)."""
+def start_server(model_dir: str, token: str, private_shm: bool = False) -> tuple[subprocess.Popen, str, list[str]]:
+    """A generator server process; returns it, its address and its log so far (kept filling by a thread). With
+    `private_shm`, in a mount namespace of its own with a private tmpfs on /dev/shm (needs root)."""
     env = {**os.environ, TOKEN_ENV: token, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "async_rlhf.generation.serve", "--model", model_dir, "--port", "0",
            "--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20)]
+    if private_shm:
+        cmd = ["unshare", "--mount", "sh", "-c", 'mount -t tmpfs -o size=512m tmpfs /dev/shm && exec "$@"', "sh", *cmd]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     lines: queue.Queue = queue.Queue()
@@ -151,7 +154,7 @@ def test_weights_load_under_a_running_request_only_in_flight(server, tmp_path, w
     request (acknowledged after the rollout), every token is version 0."""
     from async_rlhf.generation.pool.http_pool import HTTPGeneratorPool
     from async_rlhf.types import GenerationRequest, SamplingSettings
-    from async_rlhf.weight_sync import ShmWeightTransport
+    from async_rlhf.weight_sync.network import StateTransport
     from async_rlhf.weight_sync.safetensors_io import state_from_model_dir
 
     address, token, model_dir, _ = server
@@ -161,7 +164,7 @@ def test_weights_load_under_a_running_request_only_in_flight(server, tmp_path, w
         events.append("rollout")
         rollouts.append(batch)
 
-    transport = ShmWeightTransport(str(tmp_path))
+    transport = StateTransport(str(tmp_path))
     pool = HTTPGeneratorPool([address], on_rollouts, transport, model_dir, initial_version=0, start_timeout=300,
                              weight_sync_timeout=120, request_timeout=120, token=token, weight_load=weight_load)
     try:

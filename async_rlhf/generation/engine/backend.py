@@ -25,9 +25,5 @@ class GeneratorBackend(Protocol):
         """Replace the policy's weights with those described by `update` (all parameters, same names as the
         learner's `state_dict`). Returns once the next `generate` call samples from the new weights."""
 
-    def join_weight_group(self, info) -> None:
-        """Join learner rank 0's weight broadcast group (`weight_sync.broadcast.GroupInfo`), needed before a
-        "broadcast" update. Blocks until the group has formed."""
-
     def close(self) -> None:
         """Free the engine. Idempotent."""

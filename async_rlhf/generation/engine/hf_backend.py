@@ -99,12 +99,6 @@ class HFBackend:
 
             # not safetensors' load_file: it leaves objects behind on every read (see iter_safetensors)
             self.model.load_state_dict(dict(iter_safetensors(update.path)), strict=True)
-        elif update.transport == "broadcast":
-            from async_rlhf.weight_sync.broadcast import receive_weights
-
-            if self._group is None:
-                raise RuntimeError("a 'broadcast' weight update before join_weight_group")
-            self.model.load_state_dict(dict(receive_weights(self._group, update)), strict=True)
         elif update.transport == "ipc":  # learner rank 0's device memory on this GPU (colocated mode)
             from async_rlhf.weight_sync.ipc import rebuild
 
@@ -113,26 +107,10 @@ class HFBackend:
             self.model.load_state_dict(shared, strict=True)  # copies: the learner may free the version after the ack
             torch.cuda.synchronize(index)
         else:
-            raise NotImplementedError(f"HFBackend loads weights over 'shm', 'broadcast' or 'ipc', "
+            raise NotImplementedError(f"HFBackend loads weights over 'shm' or 'ipc' (not 'network': use vLLM), "
                                       f"got {update.transport!r}")
 
-    num_workers = 1  # members this backend adds to a weight broadcast group
-    _group = None
-
-    def join_weight_group(self, info) -> None:
-        """Join learner rank 0's broadcast group as rank `info.rank` (`weight_sync.broadcast.GroupInfo`)."""
-        from async_rlhf.weight_sync.broadcast import WeightGroup
-
-        self.leave_weight_group()
-        self._group = WeightGroup(info, rank=info.rank)
-
-    def leave_weight_group(self) -> None:
-        if self._group is not None:
-            self._group.close()
-            self._group = None
-
     def close(self) -> None:
-        self.leave_weight_group()
         self.model = None
 
 

@@ -14,6 +14,8 @@ parent died (checked every second while idle); an exception leaves them for `wor
   steps (running samples continue on the new weights, recomputed over their context; each token keeps its own
   version and behaviour log-prob). A `TailHandoff` (`tail_migration`) takes a request out of the engine and sends
   it back as it stands (`Migrated`), to be continued by another generator.
+A `WeightGroupJoin` (the "network" weight transport) joins learner rank 0's weight group; the learner queues it
+first, ahead of any update.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ def serve_batches(spec, backend, inbox, outbox, parent) -> bool:
             return True
         if msg.kind == "weights":
             version = _load(backend, msg, spec.generator_id, outbox, busy)
+        elif msg.kind == "weight_group":
+            backend.join_weight_group(msg.init_info)
         elif msg.kind == "generate":
             t0 = time.perf_counter()
             completions = backend.generate(msg.prompt_token_ids, msg.settings, msg.max_new_tokens or None)
@@ -82,6 +86,8 @@ def serve_stream(spec, backend, inbox, outbox, parent) -> bool:
                 if spec.weight_load == "drain" and engine.busy:
                     break  # the head waits for the samples already started; so does everything behind it
                 version = _load(backend, msg, spec.generator_id, outbox, engine.busy_seconds)
+            elif msg.kind == "weight_group":  # first in the inbox: nothing is running yet
+                backend.join_weight_group(msg.init_info)
             elif msg.kind == "generate":
                 engine.submit(msg, version)
             elif msg.kind == "handoff":

@@ -29,18 +29,18 @@ dtype: vLLM's "auto" runs a float32 checkpoint in bfloat16 (CPU and GPU alike). 
 from exactly the learner's fp32 policy: on the tiny model bf16 behaviour log-probs differ from the transformers
 forward by up to 3e-3, float32 ones by 5e-7.
 
-Weight updates. "shm" goes through vLLM's native RL weight path: the engine is built with
-`weight_transfer_config={"backend": "async_rlhf_shm"}` (our backend, `weight_sync/vllm_shm_engine.py`, registered
-in the worker when it imports `vllm_worker_extension.py`), and `load_weights` hands the update to that backend's
-trainer-side engine with `LLMClient` as its client, which calls `LLM.start_weight_update`, `update_weights` and
-`finish_weight_update(weight_version=str(version))`: the same calls a learner makes over HTTP to a `vllm serve`.
-So the engine's `get_weight_version()` (and the version spans vLLM puts on outputs) is our policy version.
-"broadcast" receives one tensor per entry of the update from learner rank 0 over a group the worker joined once
-(`join_weight_group`), gloo on CPU and NCCL on GPU (`weight_sync/broadcast.py`), through our worker extension's
-`collective_rpc` methods and the worker's `reload_weights`; the version is then set with `update_weight_version`.
-This is the shape of vLLM 0.32's own NCCL engine (`vllm/distributed/weight_transfer/nccl_engine.py`), which is
-NCCL-only (PyNccl needs CUDA); ours runs the same code on CPU, which is what lets the tests exercise it.
-Before either loads anything, the update's names (and shapes) must equal the model's state dict exactly.
+Weight updates go through vLLM's native RL weight path: the engine is built with
+`weight_transfer_config={"backend": "async_rlhf_gloo"}` (our backend, `weight_sync/vllm_gloo_engine.py`, registered
+in the worker when it imports `vllm_worker_extension.py`; it loads both kinds below), and every update is vLLM's
+`start_weight_update`, `update_weights`, `finish_weight_update(weight_version=str(version))` through `LLMClient`:
+the same calls a learner makes over HTTP to a `vllm serve`. So the engine's `get_weight_version()` (and the version
+spans vLLM puts on outputs) is our policy version.
+- "shm": the learner's file in `shm_dir`, driven by the `async_rlhf_shm` trainer-side engine with `LLMClient`.
+- "network": the learner broadcasts the bytes over a gloo group the worker joined once (`join_weight_group`, the
+  payload of vLLM's `init_weight_transfer_engine`, sent by the learner's trainer-side engine); `load_weights` runs
+  the update route while the learner sends (`weight_sync/network.py`).
+- "ipc": vLLM's own "ipc" engine (colocated on learner rank 0's GPU).
+Before any loads anything, the update's names (and shapes) must equal the model's state dict exactly.
 """
 
 from __future__ import annotations
@@ -77,7 +77,9 @@ class VLLMBackend:
         enable_prefix_caching: bool = True,
         kv_cache_memory_bytes: int | None = None,  # None: DEFAULT_CPU_KV_CACHE_BYTES on CPU, the fraction on GPU
         in_process: bool = True,  # VLLM_ENABLE_V1_MULTIPROCESSING=0; see the module docstring
-        weight_transport: str = "shm",  # "ipc": colocated on learner rank 0's GPU (vLLM's own "ipc" engine)
+        # "shm": our async_rlhf_gloo backend (loads shm files and "network" updates); "ipc": colocated on learner
+        # rank 0's GPU (vLLM's own "ipc" engine)
+        weight_transport: str = "shm",
     ) -> None:
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
@@ -96,10 +98,10 @@ class VLLMBackend:
             kv_cache_memory_bytes = kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-        from async_rlhf.weight_sync import vllm_shm_engine
+        from async_rlhf.weight_sync import vllm_gloo_engine, vllm_shm_engine
 
         self.device = device
-        self._params = _state_dict_meta(model_path)
+        self._params = vllm_gloo_engine.state_dict_meta(model_path)
         self._llm: LLM | None = LLM(
             model=model_path,
             seed=seed,
@@ -115,7 +117,7 @@ class VLLMBackend:
             enable_chunked_prefill=device != "cpu",
             logprobs_mode="processed_logprobs",
             worker_extension_cls=EXTENSION,
-            weight_transfer_config={"backend": vllm_shm_engine.BACKEND if weight_transport == "shm" else "ipc"},
+            weight_transfer_config={"backend": vllm_gloo_engine.BACKEND if weight_transport == "shm" else "ipc"},
         )
         self._client = LLMClient(self._llm)
         if weight_transport == "shm":
@@ -166,15 +168,13 @@ class VLLMBackend:
             self._check_names(list(header))
             self._check_shapes(list(header), [header[n]["shape"] for n in header])
             self._weights.send_weights(update)
-        elif update.transport == "broadcast":
-            from async_rlhf.weight_sync.broadcast import check_update_metadata
-
-            check_update_metadata(update)
+        elif update.transport == "network":  # the learner broadcasts while the route runs (vllm_gloo_engine.py)
             self._check_names(update.names)
             self._check_shapes(update.names, update.shapes)
-            self.llm.collective_rpc("load_broadcast_weights", kwargs={
-                "version": update.version, "names": update.names, "dtypes": update.dtypes, "shapes": update.shapes})
-            self.llm.update_weight_version(str(update.version))
+            self._client.start_weight_update()
+            self._client.update_weights({"names": update.names, "dtype_names": update.dtypes,
+                                         "shapes": update.shapes})
+            self._client.finish_weight_update(weight_version=str(update.version))
         elif update.transport == "ipc":  # vLLM's "ipc" engine, unpacked: the learner's tensors mapped, then loaded
             self._check_names(update.names)
             self._check_shapes(update.names, update.shapes)
@@ -183,7 +183,7 @@ class VLLMBackend:
                                          "shapes": update.shapes, "ipc_handles": update.ipc_handles})
             self._client.finish_weight_update(weight_version=str(update.version))
         else:
-            raise ValueError(f"unknown weight transport {update.transport!r}; expected 'shm', 'broadcast' or 'ipc'")
+            raise ValueError(f"unknown weight transport {update.transport!r}; expected 'shm', 'network' or 'ipc'")
         # Cached prefix blocks hold keys/values computed by the old weights. Requests still running (a streaming
         # generator loading weights in flight, `stream_engine.py`) are preempted and recomputed: their next tokens
         # are sampled from the new weights over the whole context, exactly as a fresh request would be.
@@ -211,16 +211,14 @@ class VLLMBackend:
 
     @property
     def num_workers(self) -> int:
-        """Members this engine adds to a weight broadcast group (one per tensor-parallel worker)."""
+        """Members this engine adds to a weight group (one per tensor-parallel worker)."""
         return self.llm.llm_engine.vllm_config.parallel_config.world_size
 
-    def join_weight_group(self, info) -> None:
-        """Join learner rank 0's broadcast group (`weight_sync.broadcast.GroupInfo`); each worker takes rank
-        `info.rank + its rank in the engine`. Blocks until the whole group has formed (at most `info.timeout`)."""
-        self.llm.collective_rpc("join_weight_group", kwargs={"info": info.to_dict()})
-
-    def leave_weight_group(self) -> None:
-        self.llm.collective_rpc("leave_weight_group")
+    def join_weight_group(self, init_info: dict) -> None:
+        """vLLM's `init_weight_transfer_engine(init_info)`: join learner rank 0's weight group (`{"group":
+        broadcast.GroupInfo}`, from the learner's `GlooTrainerWeightTransferEngine`). Blocks until the group has
+        formed (at most its timeout)."""
+        self._client.init_weight_transfer_engine(init_info)
 
     def close(self) -> None:
         """Shut the engine down and free its memory. Idempotent."""
@@ -315,14 +313,3 @@ def _check_cpu_head_size(model_path: str) -> None:
             "change hidden_size/num_attention_heads or use generator_backend='transformers'"
         )
 
-
-def _state_dict_meta(model_path: str) -> dict[str, tuple[str, list[int]]]:
-    """{name: (dtype name, shape)} of the transformers model's `state_dict()`, which is what the learner saves.
-    Built on the meta device from the config alone, so it costs no memory and works for hub ids too."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(model_path)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(config, "dtype", None) or torch.float32)
-    return {n: (str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in model.state_dict().items()}

@@ -1,12 +1,14 @@
 """Which generator pool a run drives, and how its weights reach it: the one place that picks between them.
 
 * `generator_servers`: vLLM servers started elsewhere (`generation/serve.py`), driven over HTTP
-  (`http_pool.HTTPGeneratorPool`); weights through shm files that vLLM's weight routes load.
+  (`http_pool.HTTPGeneratorPool`); weights through vLLM's weight routes, as shm files for a server that reads
+  learner rank 0's `shm_dir` and over the network for one that does not (`weight_sync.network.StateTransport`).
 * otherwise local generators (`local.GeneratorPool`): spawned processes, or Ray actors with
   `generator_launcher='ray'` (`ray_launcher.py`); the pool spawned while the trainer was built is used if it runs
   exactly these generators (`early_start.py`). Its generator schedule (`scheduling.py`) is the default unless the
   caller passes another (`experimental/schedules.py`). Weights through `weight_sync.make_transport` (shm files, or
-  CUDA IPC when colocated).
+  CUDA IPC when colocated), or, with `weight_transport='network'`, a weight group per generator fed by
+  `network_feeds.NetworkFeeds`.
 """
 
 from __future__ import annotations
@@ -21,11 +23,18 @@ from async_rlhf.generation.pool.ray_launcher import make_launcher
 from async_rlhf.generation.pool.scheduling import FixedGenerators, GeneratorScheduling
 from async_rlhf.pipeline.generator_pool import GeneratorPoolProtocol
 from async_rlhf.types import RolloutBatch
-from async_rlhf.weight_sync import ShmWeightTransport, make_transport
+from async_rlhf.weight_sync import make_transport
+from async_rlhf.weight_sync.network import StateTransport
 from async_rlhf.weight_sync.transport import WeightTransport
 
 # (local pool, spec of a generator to add: (generator id, device) -> spec) -> the run's generator schedule
 SchedulingFactory = Callable[[GeneratorPool, Callable[[int, str], GeneratorSpec]], GeneratorScheduling]
+
+
+def network_options(args) -> dict:
+    """`weight_sync.network.NetworkSender`'s options from the config (servers: "backend" follows each server's own
+    when `network_backend` is 'auto')."""
+    return {"host": args.weight_sync_host, "allow_remote": args.allow_remote, "backend": args.network_engine}
 
 
 def make_pool(args, on_rollouts: Callable[[RolloutBatch], None], initial_version: int, *, model_path: str,
@@ -38,17 +47,26 @@ def make_pool(args, on_rollouts: Callable[[RolloutBatch], None], initial_version
         from async_rlhf.generation.pool.http_pool import HTTPGeneratorPool
         from async_rlhf.generation.serve import TOKEN_ENV
 
-        transport = ShmWeightTransport(args.shm_dir)
+        transport = StateTransport(args.shm_dir)
         pool = HTTPGeneratorPool(
             args.generator_servers, on_rollouts, transport, model_path, initial_version,
             args.generator_start_timeout, args.weight_sync_timeout, request_timeout=args.rollout_timeout,
-            token=os.environ.get(TOKEN_ENV, ""), min_model_len=args.max_length, weight_load=args.weight_load)
+            token=os.environ.get(TOKEN_ENV, ""), min_model_len=args.max_length, weight_load=args.weight_load,
+            weight_transport=args.weight_transport, network={**network_options(args), "backend": args.network_backend})
         return transport, pool, FixedGenerators()
-    transport = make_transport(args, device)
     specs = generator_specs(args, model_path, engine_kwargs, initial_version)
     pool = adopt_or_close(early_pool, specs, on_rollouts) or GeneratorPool(
         specs, on_rollouts, args.generator_start_timeout, args.weight_sync_timeout, args.generator_max_restarts,
         launcher=make_launcher(args))
+    if args.local_weight_transport == "network":
+        from async_rlhf.generation.pool.network_feeds import NetworkFeeds
+
+        transport = StateTransport(args.shm_dir)
+        transport.use("network")
+        pool.feeds = NetworkFeeds(transport, network_options(args), args.generator_start_timeout +
+                                  args.weight_sync_timeout, workers=args.vllm_tensor_parallel_size)
+    else:
+        transport = make_transport(args, device)
     if scheduling is not None:
         pool.scheduling = scheduling(pool, lambda i, dev: generator_spec(
             args, model_path, engine_kwargs, initial_version, i, dev))

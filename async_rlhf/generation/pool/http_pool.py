@@ -15,8 +15,13 @@ rollouts are delivered as soon as all its prompts are back, tagged with the olde
 
 Weights and versions, per server: `send_weights(v)` closes the server's gate at once (in the loop, in the order of
 the calls), so any request sent later waits and is sampled with weights >= v. The update drives vLLM's weight routes
-through vLLM's trainer-side engine (`async_rlhf_shm`: the learner's shm file, so the server must share this host),
-records the acknowledgement and opens the gate. With `weight_load="drain"` it first waits for the server's in-flight
+through vLLM's trainer-side engine, records the acknowledgement and opens the gate. Which engine, per server, is
+decided at start (`config.checks.choose_transport`, config `weight_transport`): the pool writes a probe file
+into `shm_dir` and asks the server whether it reads it (`POST /async_rlhf/weight_probe`); a server that does gets the
+shm file (`async_rlhf_shm`'s trainer engine), one that does not (another host, a private /dev/shm) the network: a
+group of its own with learner rank 0, formed at start through the token-protected `/init_weight_transfer_engine`
+route, and per version vLLM's `/update_weights` while rank 0 broadcasts (`weight_sync.network.NetworkSender`).
+With `weight_load="drain"` it first waits for the server's in-flight
 requests to finish, so every sample has one version. With "in_flight" it loads at once: `/pause?mode=keep` freezes
 the running requests in the engine, the weights load, `/reset_prefix_cache?reset_running_requests=true` makes the
 running requests recompute their context with the new weights (as the local streaming generator does), and
@@ -39,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -50,6 +56,9 @@ from async_rlhf.generation.pool import http_client
 from async_rlhf.generation.pool.http_client import ServerError, Unauthorized, WeightSyncClient
 from async_rlhf.pipeline.generator_pool import AckTracker
 from async_rlhf.types import GenerationRequest, RolloutBatch, WeightUpdate
+from async_rlhf.config.checks import choose_transport
+from async_rlhf.errors import WeightTransportError
+from async_rlhf.weight_sync.network import PROBE_ROUTE, NetworkSender, for_transport
 
 logger = logging.getLogger(__name__)
 
@@ -68,18 +77,22 @@ class _Server:
     gate: asyncio.Event = field(default_factory=asyncio.Event)  # set: requests may go
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # set: no request in flight
     update_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # FIFO: updates in the order sent
-    engine: object = None  # vLLM trainer-side weight-transfer engine
+    engine: object = None  # vLLM trainer-side weight-transfer engine (shm), or a network.NetworkSender (network)
     client: object = None  # its WeightSyncClient (pause/resume/reset for in-flight loads)
+    transport: str = "shm"  # "shm" | "network", chosen at start
 
 
 class HTTPGeneratorPool:
     def __init__(self, addresses: list[str], on_rollouts: Callable[[RolloutBatch], None], transport, model_dir: str,
                  initial_version: int, start_timeout: float, weight_sync_timeout: float, request_timeout: float,
-                 token: str = "", min_model_len: int = 0, weight_load: str = "drain"):
+                 token: str = "", min_model_len: int = 0, weight_load: str = "drain", weight_transport: str = "auto",
+                 network: dict | None = None):
         self.addresses = list(addresses)
         self.urls = [base_url(a) for a in self.addresses]
         self.on_rollouts = on_rollouts
-        self.transport = transport  # ShmWeightTransport: publishes the starting policy when one must be pushed
+        self.transport = transport  # network.StateTransport: shm files and/or states kept for the network
+        self.weight_transport = weight_transport  # config: auto | shm | network
+        self.network = dict(network or {})  # NetworkSender options: host, allow_remote, backend
         self.model_dir = model_dir
         self.initial_version = initial_version
         self.start_timeout = start_timeout
@@ -141,6 +154,9 @@ class HTTPGeneratorPool:
             logger.warning("http pool: shutdown did not finish cleanly: %r", exc)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5.0)
+        for server in self._servers:
+            if server.transport == "network" and server.engine is not None:
+                server.engine.close()
         if not self._thread.is_alive():
             self._loop.close()
         self._loop = None
@@ -199,7 +215,15 @@ class HTTPGeneratorPool:
             server.version = self.initial_version
             server.gate.set()
             server.idle.set()
-        push = await asyncio.gather(*(self._connect(s, deadline) for s in self._servers))
+        from async_rlhf.weight_sync.network import write_probe
+
+        # no transport: a pool that never sends weights (tests, benchmarks of sampling alone)
+        probe = await asyncio.to_thread(write_probe, self.transport.shm_dir) if self.transport else ("", "")
+        try:
+            push = await asyncio.gather(*(self._connect(s, deadline, probe) for s in self._servers))
+        finally:
+            if probe[0]:
+                os.unlink(probe[0])
         if any(push):  # the servers do not serve the trainer's starting policy: load it
             update = await asyncio.to_thread(self._publish_start)
             await asyncio.gather(*(self._start_weights(s, update) for s, p in zip(self._servers, push) if p))
@@ -215,8 +239,9 @@ class HTTPGeneratorPool:
 
         return self.transport.publish(state_from_model_dir(self.model_dir), self.initial_version)
 
-    async def _connect(self, s: _Server, deadline: float) -> bool:
-        """Wait for `/health`, read the model, build the weight engine. Returns whether it needs the starting policy."""
+    async def _connect(self, s: _Server, deadline: float, probe: tuple[str, str]) -> bool:
+        """Wait for `/health`, read the model, pick the transport, build the weight engine (for the network: form the
+        group). Returns whether it needs the starting policy."""
         last = ""
         while True:
             try:
@@ -236,16 +261,44 @@ class HTTPGeneratorPool:
             info = await http_client.request_json(self._session, "GET", s.url, "/weight_info", 30.0, self.token)
             s.model, max_len = models["data"][0]["id"], models["data"][0]["max_model_len"]
             loaded = info["weight_version"]
-        except (ServerError, KeyError, IndexError, TypeError) as exc:
+            seen = await http_client.request_json(self._session, "POST", s.url, PROBE_ROUTE, 30.0, self.token,
+                                                  {"path": probe[0], "nonce": probe[1]})
+            reads_shm, workers, backend = bool(seen["reads_shm"]), int(seen["workers"]), seen["weight_backend"]
+        except (ServerError, KeyError, IndexError, TypeError, ValueError) as exc:
             raise GeneratorFailed(f"generator start: {self.describe(s.gid)}: {type(exc).__name__}: {exc} (is it "
                                   "`python -m async_rlhf.generation.serve`?)") from None
         if max_len < self.min_model_len:
             raise GeneratorFailed(f"generator start: {self.describe(s.gid)} serves {s.model} with max_model_len "
                                   f"{max_len} < max_length {self.min_model_len}")
+        if self.transport is None:
+            return False
+        try:
+            # shm needs a backend that loads files (ours); a server on vLLM's nccl one takes the network only
+            s.transport = choose_transport(self.weight_transport, self.describe(s.gid), same_gpu=False,
+                                           sees_shm=reads_shm and backend in ("async_rlhf_gloo", "async_rlhf_shm"))
+        except ValueError as exc:
+            raise GeneratorFailed(f"generator start: {exc}") from None
+        self.transport.use(s.transport)
         s.client = WeightSyncClient(s.url, self.token, self.weight_sync_timeout)
-        s.engine = await http_client.in_daemon_thread(http_client.trainer_engine, s.client)
-        logger.info("%s: serving %s (max_model_len %s, weight version %r)", self.describe(s.gid), s.model, max_len,
-                    loaded)
+        if s.transport == "shm":
+            s.engine = await http_client.in_daemon_thread(http_client.trainer_engine, s.client)
+        else:
+            options = dict(self.network)
+            if options.get("backend", "auto") == "auto":  # the server's own backend decides: nccl or our gloo twin
+                options["backend"] = "nccl" if backend == "nccl" else "gloo"
+            wanted = {"gloo": "async_rlhf_gloo", "nccl": "nccl"}[options["backend"]]
+            if backend != wanted:
+                raise GeneratorFailed(f"generator start: {self.describe(s.gid)} runs the weight-transfer backend "
+                                      f"{backend!r}; the network transport needs {wanted!r} (start it with "
+                                      f"--weight-transfer-config '{{\"backend\": \"{wanted}\"}}')")
+            s.engine = NetworkSender(s.client, workers, self.weight_sync_timeout, **options)
+            try:
+                await http_client.in_daemon_thread(s.engine.open)
+            except Exception as exc:  # a refused token, a group that did not form, a server on another backend
+                raise GeneratorFailed(f"generator start: {self.describe(s.gid)}: joining the weight group: "
+                                      f"{type(exc).__name__}: {exc}") from None
+        logger.info("%s: serving %s (max_model_len %s, weight version %r, weights over %s)", self.describe(s.gid),
+                    s.model, max_len, loaded, s.transport)
         return self.initial_version > 0 or loaded != "default"
 
     async def _generate(self, s: _Server, request: GenerationRequest) -> None:
@@ -284,9 +337,9 @@ class HTTPGeneratorPool:
                 t0 = time.monotonic()
                 try:
                     load = _load_under_requests if s.in_flight else _load
-                    await http_client.in_daemon_thread(load, s, update)
-                except ServerError as exc:
-                    raise ServerError(f"loading weights v{update.version}: {exc}") from None
+                    await http_client.in_daemon_thread(load, s, update, self.transport)
+                except (ServerError, WeightTransportError) as exc:
+                    raise ServerError(f"loading weights v{update.version} ({s.transport}): {exc}") from None
                 s.version = update.version
                 self.acks.acknowledged(s.gid, update.version, time.monotonic() - t0)
         finally:
@@ -300,17 +353,27 @@ class HTTPGeneratorPool:
             self._failed.setdefault(gid, reason)
 
 
-def _load(s: _Server, update: WeightUpdate) -> None:
+def _send(s: _Server, update: WeightUpdate, transport) -> None:
+    """One version through the server's engine (blocking): the shm file, or the bytes over its group."""
+    if s.transport == "network":
+        t0 = time.monotonic()
+        s.engine.send(update.version, transport.state(update.version))
+        transport.record_send(time.monotonic() - t0)
+    else:
+        s.engine.send_weights(for_transport(update, "shm"))
+
+
+def _load(s: _Server, update: WeightUpdate, transport) -> None:
     """Load with nothing running (blocking; off the loop); cached prefix blocks of the old weights are dropped."""
-    s.engine.send_weights(update)
+    _send(s, update, transport)
     s.client.reset_prefix_cache()
 
 
-def _load_under_requests(s: _Server, update: WeightUpdate) -> None:
+def _load_under_requests(s: _Server, update: WeightUpdate, transport) -> None:
     """Load while requests run (blocking; off the loop): pause keeping them, load, recompute their context, resume."""
     s.client.pause_keep()
     try:
-        s.engine.send_weights(update)
+        _send(s, update, transport)
         s.client.reset_prefix_cache()
     finally:
         try:

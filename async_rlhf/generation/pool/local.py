@@ -34,6 +34,11 @@ Elastic membership (`generator_autoscale`, driven by `elastic.py`), with the gua
   request it holds is answered (`check`), so no request is lost, and a retiring generator that dies is restarted and
   re-sent its requests like any other. A retired generator's outbox is read until it exits (its last answers count).
 
+Weights over the network (`weight_transport='network'`): `feeds` (`network_feeds.py`) gives each generator process
+a weight group of its own, joined first thing (its `WeightGroupJoin` precedes everything in a new inbox: at `start`,
+at a restart, at `add_generator`), and sends each update queued to it on a thread of its own; a restarted or added
+generator receives the next version queued to it, like every other transport.
+
 Processes are started from the main thread only (`start`, `check` which restarts, `add_generator`): a generator's
 parent-death signal is tied to the thread that spawned it. How a generator is started is the launcher's business:
 `processes.ProcessLauncher` (spawned processes, the default) or `ray_launcher.RayLauncher` (Ray actors,
@@ -87,6 +92,7 @@ class GeneratorPool:
         self._in_flight: dict[int, dict[tuple[int, int], GenerationRequest]] = {s.generator_id: {} for s in self.specs}
         self._last_update: WeightUpdate | None = None
         self.scheduling: GeneratorScheduling = FixedGenerators()  # set by `choice.make_pool` before `start`
+        self.feeds = None  # `network_feeds.NetworkFeeds` for the "network" weight transport: set before `start`
         self._starting: dict[int, float] = {}  # generator -> time a restart was spawned (until Ready)
         self._errors: dict[int, str] = {}  # generator -> last error reported
         self._lock = threading.Lock()
@@ -154,6 +160,9 @@ class GeneratorPool:
         if self.on_rollouts is None:
             raise ValueError("GeneratorPool.start: on_rollouts is not set")
         self.spawn()
+        if self.feeds is not None:  # nothing is queued to the generators yet: each group's join goes first
+            for spec, inbox in zip(self.specs, self.inboxes):
+                self.feeds.open(spec.generator_id, inbox)
         t0, waited_from = self._spawned_at, time.monotonic()
         ready: set[int] = set()
         while len(ready) < len(self.specs):
@@ -208,6 +217,8 @@ class GeneratorPool:
             q.cancel_join_thread()  # never block interpreter exit on unflushed queue data
             q.close()
         self._kill_at_exit()  # nothing left to kill: only drops the exit hook
+        if self.feeds is not None:
+            self.feeds.close()
         self.launcher.close()
 
     def _await_acks(self, timeout: float) -> None:
@@ -252,10 +263,12 @@ class GeneratorPool:
             self.acks.add(gid, spec.initial_version)
             update = self._last_update
             self._sent_version[gid] = spec.initial_version
+            if self.feeds is not None:
+                self.feeds.open(gid, inbox)
             if update is not None:
                 self._sent_version[gid] = update.version
                 self.acks.sent(gid, update.version)
-                inbox.put(update)
+                self._queue_update(gid, update)
         self.processes[gid].start()
         self._forward(gid)
 
@@ -284,6 +297,8 @@ class GeneratorPool:
                 with self._lock:
                     del self._retiring[g]
                     self.retired[g] = now
+                if self.feeds is not None:
+                    self.feeds.drop(g)
 
     # ---- messages --------------------------------------------------------------------------------------
     def send_weights(self, update: WeightUpdate) -> None:
@@ -294,7 +309,13 @@ class GeneratorPool:
                 if gid in self._joining or gid in self.retired or self._retiring.get(gid, 0.0) > 0.0:
                     continue  # joining: gets the newest when ready; shut down: gets nothing more
                 self.acks.sent(gid, update.version)
-                inbox.put(update)
+                self._queue_update(gid, update)
+
+    def _queue_update(self, gid: int, update: WeightUpdate) -> None:
+        """Queue `update` in generator `gid`'s inbox (FIFO with its requests) and, for the network, to its feed."""
+        self.inboxes[gid].put(update)
+        if self.feeds is not None:
+            self.feeds.send(gid, update.version)
 
     def send_request(self, generator_id: int, request: GenerationRequest) -> None:
         with self._lock:
@@ -363,9 +384,11 @@ class GeneratorPool:
             self.processes[i] = self._process(spec, inbox, outbox)
             self._starting[gid] = time.monotonic()
             self.acks.reset(gid, spec.initial_version)
+            if self.feeds is not None:  # a new group for the new process, joined before anything else
+                self.feeds.open(gid, inbox)
             if update is not None:  # FIFO: the newest weights load before any re-issued request
                 self.acks.sent(gid, version)
-                inbox.put(update)
+                self._queue_update(gid, update)
             if gid in self._joining:
                 self._sent_version[gid] = version
             for request in sorted(self._in_flight[gid].values(), key=lambda r: (r.batch_id, r.chunk)):
@@ -411,5 +434,5 @@ class GeneratorPool:
                         update = self._last_update
                         if update is not None and update.version > self._sent_version[gid]:
                             self.acks.sent(gid, update.version)
-                            self.inboxes[gid].put(update)
+                            self._queue_update(gid, update)
                         self._joining.discard(gid)

@@ -118,7 +118,7 @@ def test_colocate_is_shm_on_cpu_and_ipc_refuses_a_cpu_learner(tmp_path):
     from async_rlhf.weight_sync.ipc import IpcWeightTransport
 
     args = AsyncOnlineDPOConfig(output_dir=str(tmp_path), colocate=True, use_cpu=True)
-    assert args.weight_transport == "shm"
+    assert args.local_weight_transport == "shm"
     transport = make_transport(args, torch.device("cpu"))
     assert isinstance(transport, ShmWeightTransport)
     transport.close()

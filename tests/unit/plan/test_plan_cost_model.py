@@ -125,3 +125,32 @@ def test_evaluate_split_at_a_given_micro_batch():
         (e,) = sr.evaluate_split(shape, H100, w, 4, 1, 4, 1, staleness=[1], micro_batch=mb)
         assert e.plan.micro_batch == mb and e.train_seconds >= fastest[0].train_seconds
     assert sr.evaluate_split(shape, H100, w, 4, 1, 4, 1, staleness=[1], micro_batch=3) == []  # 3 does not divide 16
+
+
+def test_any_node_plan_prints_servers_per_node_and_the_network_flags():
+    """`--any_node_generators`: every generator is a server on the node whose free devices it takes (never split
+    across nodes); those off node 0 bind a routable address with --allow_remote, and the learners listen for their
+    weight groups on node 0's address."""
+    from async_rlhf.plan.commands import any_node_command
+
+    plan = cm.Plan(learners=8, generators=4, tp=2, nodes=2)
+    lines = any_node_command(plan, cm.Workload(), gpus_per_node=8).splitlines()
+    servers = [line for line in lines if "async_rlhf.generation.serve" in line]
+    assert [s.split(":")[0] for s in servers] == ["# node 0", "# node 0", "# node 1", "# node 1"]
+    assert all("CUDA_VISIBLE_DEVICES=4,5 " in s or "CUDA_VISIBLE_DEVICES=6,7 " in s for s in servers)
+    assert all(("--allow_remote" in s) == s.startswith("# node 1") for s in servers)
+    assert "--generator_servers 127.0.0.1:8760 127.0.0.1:8761 <node 1 address>:8762 <node 1 address>:8763" in lines[-1]
+    assert "--weight_sync_host <node 0 address> --allow_remote true" in lines[-1]
+    # tp 8 cannot fit in the 4 devices a node has left: no command rather than a generator split across nodes
+    assert "no command" in any_node_command(cm.Plan(learners=8, generators=1, tp=8, nodes=2), cm.Workload(), 8)
+
+
+def test_network_sync_blocks_the_learner_for_the_gather_only():
+    """The network transport: no shm write on the learner's side; each generator receives the bytes over its node's
+    link at the benchmark's wire/socket ratio."""
+    plan = cm.Plan(learners=8, generators=2, tp=2, nodes=2)
+    shm_publish, _ = cm.sync_seconds(SEVEN_B, H100, plan)
+    publish, load = cm.sync_seconds(SEVEN_B, H100, plan, network=True)
+    size = H100.dtype_bytes * SEVEN_B.params
+    assert publish == pytest.approx(shm_publish - size / H100.shm_bandwidth)
+    assert load == pytest.approx(size * cm.NETWORK_WIRE_RATIO / (H100.network_bandwidth * H100.comm_efficiency))

@@ -178,6 +178,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         mode = self.server.mode
         if self.path == "/init_weight_transfer_engine":
             return self.reply(200, b"{}")
+        if self.path == "/async_rlhf/weight_probe":  # generation/serve.py's route: "I read the learner's shm_dir"
+            return self.reply(200, b'{"reads_shm": true, "workers": 1, "weight_backend": "async_rlhf_gloo"}')
         if mode == "hang":
             self.server.release.wait(30)
         elif mode == "garbage":
