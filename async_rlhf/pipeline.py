@@ -115,7 +115,8 @@ class RolloutPipeline(PipelineRecords):
         self.length_counts: collections.Counter = collections.Counter()  # completion tokens: samples (reader thread)
         self.latency = [0.0, 0.0, 0]  # summed dispatch -> queued and last part arrived -> queued seconds; batches
         # partial rollouts (`partial_rollouts.py`): steps gather finished groups of several admitted batches
-        self.partial = (PartialRollouts(args.prompts_per_step, args.max_staleness, args.partial_rollouts, self._send)
+        self.partial = (PartialRollouts(args.prompts_per_step, args.max_staleness, args.partial_rollouts, self._send,
+                                        getattr(args, "max_oldest_staleness", None))
                         if getattr(args, "partial_rollouts", 0) else None)
         # train_while_generating (`arrival_order.py`): micro-batches of a step's groups in arrival order
         self.arrivals = ArrivalOrder(args.max_staleness) if getattr(args, "train_while_generating", False) else None
