@@ -42,10 +42,10 @@ RUN = dict(max_steps=STEPS, per_device_train_batch_size=2, num_generations=2, ma
            generator_backend="transformers", disable_tqdm=True, generator_start_timeout=120, rollout_timeout=120,
            max_staleness=0, seed=11)
 # Float tolerance of the parameter comparison: the two sides differ only in rounding (the pipeline packs rows by
-# length, threads differ); observed 1e-8 on 2 CPU cores.
-TOLERANCE = 1e-6
-# A loop fed inputs one step behind must end at least this far away; observed 1e-4 to 2e-2.
-SHIFT_MARGIN = 10 * TOLERANCE
+# length, threads differ): observed 1e-8 to 1.2e-7 (one float32 ulp at 1) on 2 CPU cores.
+TOLERANCE = 2e-6
+# A loop fed inputs one step behind must end at least this far away: observed 3.6e-4 to 5e-2.
+SHIFT_MARGIN = 50 * TOLERANCE
 ALGORITHMS = {
     "online_dpo": (AsyncOnlineDPOTrainer, AsyncOnlineDPOConfig, {}),
     "rloo": (AsyncRLOOTrainer, AsyncRLOOConfig, {}),
