@@ -4,7 +4,7 @@ which routes dispatch, arriving groups and `batch_for_step` here when `partial_r
 
 Groups. The prompt stream is read group by group: group (b, j) is prompt j of `PromptStream.prompts_for_step(b)`,
 sampled with that pair's seeds, exactly as when batch b is streamed whole. Groups are sent in stream order while
-fewer than `(queued_version + S_old - step + 1) x prompts_per_step + partial_rollouts` are open (sent, not
+fewer than `(queued_version + S - step + 1) x prompts_per_step + partial_rollouts` are open (sent, not
 yet trained): the batches that admission allows today, plus `partial_rollouts` groups more. A group keeps running in
 its generator across steps; with `weight_load="in_flight"` (required) every token keeps the version that sampled it,
 and a group's `policy_version` is its oldest token's.
@@ -13,8 +13,10 @@ The staleness rule (`staleness_bound`). With S = max_staleness and S_old its cap
 "oldest"; max_oldest_staleness under "newest"), a finished group may be trained at step b when every sample's newest
 token has version >= b - S and every token has version >= b - S_old. Under "oldest" the second implies the first: the
 rule is the familiar "oldest token >= b - S". A group's *deadline* is the last step that may train it,
-min(newest + S, oldest + S_old); admission counts S_old steps ahead, since a group sent with queued weights q keeps
-sampling on newer weights and its oldest token is >= q.
+min(newest + S, oldest + S_old). Admission keeps the S horizon under both rules: a group that ends soon after it is
+sent (most do) has its newest token near the queued weights q and must be trained by about q + S; sending S_old
+steps' worth would only send groups to be dropped (measured: 15 of 32 dropped on a test run). The second cap
+decides how long a group that keeps sampling stays trainable, and when a pinned one falls due.
 
 Closing step b: it trains `prompts_per_step` finished groups within the rule, the earliest deadline first (then
 stream order; under "oldest", the oldest version first). It waits only for enough such groups, and for a regenerated group that is due (below);
@@ -89,7 +91,7 @@ class PartialRollouts:
         """Send what is owed: dropped groups first (pinned), then new groups of the stream up to the capacity."""
         with self._cond:
             resend = sorted(k for k, g in self.open.items() if g.to_send)
-            capacity = (queued_version + self.S_old - self.step + 1) * self.P + self.extra
+            capacity = (queued_version + self.S - self.step + 1) * self.P + self.extra
             new = []
             while len(self.open) < capacity and self.next_group < total_steps * self.P:
                 key = divmod(self.next_group, self.P)

@@ -57,13 +57,13 @@ def test_deadline_under_each_rule():
     assert deadline(early, 1, 3) == 1
 
 
-def test_admission_counts_max_oldest_staleness_steps_ahead():
-    book = Book()
-    PartialRollouts(P, 1, 1, book).dispatch(queued_version=0, total_steps=20)
-    assert len(book.sent) == (0 + 1 - 0 + 1) * P + 1  # "oldest": (q + S - step + 1) x P + extra = 5
-    book = Book()
-    PartialRollouts(P, 1, 1, book, max_oldest_staleness=3).dispatch(queued_version=0, total_steps=20)
-    assert len(book.sent) == (0 + 3 - 0 + 1) * P + 1  # "newest": (q + S_old - step + 1) x P + extra = 9
+def test_admission_keeps_the_max_staleness_horizon_under_both_rules():
+    # a group that ends soon after it is sent must train within S steps of its newest token whichever the rule:
+    # (q + S - step + 1) x P + extra = (0 + 1 - 0 + 1) x 2 + 1 = 5 groups, not S_old's (0 + 3 + 1) x 2 + 1 = 9
+    for cap in (None, 3):
+        book = Book()
+        PartialRollouts(P, 1, 1, book, max_oldest_staleness=cap).dispatch(queued_version=0, total_steps=20)
+        assert len(book.sent) == 5, cap
 
 
 def _two_steps(pr):
