@@ -43,7 +43,7 @@ import urllib.request
 TOKEN_ENV = "ASYNC_RLHF_GENERATOR_TOKEN"
 MIN_REMOTE_TOKEN_BYTES = 16
 READY_LINE = "async_rlhf generator server ready at"
-EXTENSION = "async_rlhf.generation.vllm_worker_extension.WeightSyncExtension"
+EXTENSION = "async_rlhf.generation.engine.vllm_worker_extension.WeightSyncExtension"
 MIDDLEWARE = "async_rlhf.generation.serve.BearerTokenMiddleware"
 DEFAULTS = {  # flag -> value (None: a switch), applied unless the user gave the flag (or its negation)
     "--worker-extension-cls": EXTENSION,

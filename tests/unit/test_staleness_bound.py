@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from async_rlhf import AsyncOnlineDPOConfig, AsyncRLOOConfig
-from async_rlhf.config import ConfigError
-from async_rlhf.partial_rollouts import PartialRollouts, deadline
+from async_rlhf.errors import ConfigError
+from async_rlhf.experimental.partial_rollouts import PartialRollouts, deadline
 from async_rlhf.types import Completion, RolloutBatch
 
 P = 2  # prompts per step
