@@ -56,11 +56,12 @@ class AsyncPolicyGradientConfig(AsyncRLConfig):
                   "min(pi_prox/mu, is_cap), the ratio against pi_prox. 'decoupled': decoupled PPO (Hilton et al. "
                   "2021), weight pi_prox/mu, tokens above is_cap dropped. 'masked': masked IS with two-sided bounds "
                   "(IcePop-style), weight pi_prox/mu, tokens outside [is_floor, is_cap] dropped. 'auto' (default): "
-                  "'none' when no token can be stale (max_staleness 0, or staleness_bound 'newest' with "
-                  "max_oldest_staleness 0), else 'tis' for RLOO, PPO and GRPO: plain PPO one step stale failed "
+                  "'none' when no token can be stale (max_staleness 0: parity with synchronous training, "
+                  "tests/integration/test_sync_parity.py), else 'tis' for RLOO, PPO and GRPO: plain PPO one step stale failed "
                   "where TIS trained (marin #8955: GSM8k 2/128 against 98/128, Qwen3-0.6B), an unclipped loss "
                   "diverged at 3 steps (Tinker cookbook #822), PipelineRL and TRL's vLLM correction ship token-level "
-                  "TIS, and on our toy task it trains like 'none' (evals/results/off_policy_defaults). Online DPO "
+                  "TIS; on our toy task at N = 4 it ended highest for RLOO and PPO, level for GRPO (one seed, "
+                  "evals/results/off_policy_defaults). Online DPO "
                   "takes no correction: its loss has no importance ratio (the paper's most staleness-robust "
                   "learner). The resolved value is what the run records."},
     )
