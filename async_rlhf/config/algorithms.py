@@ -57,13 +57,13 @@ class AsyncPolicyGradientConfig(AsyncRLConfig):
                   "2021), weight pi_prox/mu, tokens above is_cap dropped. 'masked': masked IS with two-sided bounds "
                   "(IcePop-style), weight pi_prox/mu, tokens outside [is_floor, is_cap] dropped. 'auto' (default): "
                   "'none' when no token can be stale (max_staleness 0: parity with synchronous training, "
-                  "tests/integration/test_sync_parity.py), else 'tis' for RLOO, PPO and GRPO: plain PPO one step stale failed "
-                  "where TIS trained (marin #8955: GSM8k 2/128 against 98/128, Qwen3-0.6B), an unclipped loss "
-                  "diverged at 3 steps (Tinker cookbook #822), PipelineRL and TRL's vLLM correction ship token-level "
-                  "TIS; on our toy task at N = 4 it ended highest for RLOO and PPO, level for GRPO (one seed, "
-                  "evals/results/off_policy_defaults). Online DPO "
-                  "takes no correction: its loss has no importance ratio (the paper's most staleness-robust "
-                  "learner). The resolved value is what the run records."},
+                  "tests/integration/test_sync_parity.py), else 'tis' for RLOO, PPO and GRPO: plain PPO one step "
+                  "stale failed where TIS trained (marin #8955: GSM8k 2/128 against 98/128, Qwen3-0.6B), an "
+                  "unclipped loss diverged at 3 steps (Tinker cookbook #822), PipelineRL and TRL's vLLM correction "
+                  "ship token-level TIS; on our toy task at N = 4 it ended highest for RLOO and PPO, level for GRPO "
+                  "(one seed, evals/results/off_policy_defaults). Online DPO takes no correction: its loss has no "
+                  "importance ratio (the paper's most staleness-robust learner). The resolved value is what the run "
+                  "records."},
     )
     is_cap: float = field(default=2.0, metadata={"help": "Upper bound of the importance weights ('tis', "
                                                          "'decoupled', 'masked')."})

@@ -19,8 +19,9 @@ steps' worth would only send groups to be dropped (measured: 15 of 32 dropped on
 decides how long a group that keeps sampling stays trainable, and when a pinned one falls due.
 
 Closing step b: it trains `prompts_per_step` finished groups within the rule, the earliest deadline first (then
-stream order; under "oldest", the oldest version first). It waits only for enough such groups, and for a regenerated group that is due (below);
-never for an unfinished first attempt. The unfinished groups left open are carried (`carried`).
+stream order; under "oldest", the oldest version first). It waits only for enough such groups, and for a regenerated
+group that is due (below); never for an unfinished first attempt. The unfinished groups left open are carried
+(`carried`).
 
 Guarantees:
 * **Staleness bound.** No group outside the rule is trained at step b. A finished group that could only be trained

@@ -22,8 +22,9 @@ What TRL 1.16's `GRPOTrainer` adds, mirrored here with its names:
 - `use_bias_correction_kl`: the KL term multiplied by the (differentiable) ratio r.
 
 The asynchronous part is the same as `ppo.ppo_policy_loss`: the ratio r = π/`old_logps`, and `off_policy` "tis" /
-"decoupled" / "masked" multiply each token's policy term (not the KL term, as TRL's vLLM importance weights) by the detached
-π_prox/μ, truncated at / dropped above `is_cap`.
+"decoupled" / "masked" multiply each token's policy term (not the KL term, as TRL's vLLM importance weights) by the
+detached π_prox/μ, truncated at / dropped above `is_cap` / dropped outside [`is_floor`, `is_cap`]
+(`off_policy.off_policy_weights`).
 
 Shapes: B = sequences, T = completion tokens, P = prompts, k = completions per prompt. Masks bool or float [B, T].
 """

@@ -148,7 +148,7 @@ def truncated_importance_weights(
 def masked_importance_weights(
     learner_logps: Tensor, behaviour_logps: Tensor, floor: float, cap: float, mask: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
-    """Token-level masked importance weights: w_t = exp(log π_t − log μ_t) where floor ≤ w_t ≤ cap, else 0; detached.
+    """Token-level masked importance weights (detached): w_t = exp(log π_t − log μ_t) if floor ≤ w_t ≤ cap, else 0.
 
     The two-sided bound is IcePop's (the Ling team's Ring-1T report, 2025: tokens whose weight falls outside [α, β]
     leave the gradient); floor = 0 is the one-sided masked IS ("MIS") that followed truncated IS in the 2025 work on
