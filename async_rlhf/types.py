@@ -222,6 +222,11 @@ class RolloutBatch:
                                                               default=self.policy_version)] for c in group]
                 for group in self.completions]
 
+    def newest_version(self) -> int:
+        """The version of the least fresh sample's newest token: min over samples of each one's newest token (what
+        `staleness_bound="newest"` bounds; `policy_version`, the oldest token's, is what "oldest" bounds)."""
+        return min((newest for group in self.sample_versions() for _, newest in group), default=self.policy_version)
+
     def group_versions(self) -> list[list[int]]:
         """[P] [oldest, newest] weight version of any token of each group (its version span)."""
         return [[min(o for o, _ in group), max(n for _, n in group)] if group else [self.policy_version] * 2

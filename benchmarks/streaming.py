@@ -3,6 +3,7 @@
     python benchmarks/streaming.py --quick       # 6 steps each, about 3 minutes on 2 cores
     python benchmarks/streaming.py --steps 12 --generators 2
     python benchmarks/streaming.py --steps 12 --max_staleness 2 --partial 8
+    python benchmarks/streaming.py --steps 12 --partial 8 --runs stream/in_flight partial partial/newest
     python benchmarks/streaming.py --steps 12 --generators 2 --tail 4 --runs batch stream/in_flight tail
     python benchmarks/streaming.py --steps 12 --micro_batches 4 --runs batch stream/in_flight fused
 
@@ -20,6 +21,8 @@ Runs, each the real trainer and pipeline (times are of the training loop; engine
   stream/in_flight    the same, weights loaded between two engine steps (per-token versions)
   partial             stream/in_flight with `partial_rollouts` = `--partial` extra groups in flight (0: not run):
                       a step closes on the first groups to finish, the rest are carried
+  partial/newest      the partial run under `staleness_bound="newest"` (`--max_oldest_staleness`, default 2 x
+                      max_staleness): a carried group may outlive max_staleness while it samples on fresh weights
   tail                stream/in_flight with `tail_migration` = `--tail` (0: not run; needs --generators 2 or
                       more): once at most that many groups of a batch are left on several generators, one takes them
   fused               stream/in_flight with `train_while_generating` (needs --micro_batches 2 or more): a step's
@@ -52,10 +55,12 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 RUNS = (("batch", "batch", "drain", 0), ("stream/drain", "stream", "drain", 0),
         ("stream/in_flight", "stream", "in_flight", 0), ("partial", "stream", "in_flight", "partial"),
-        ("tail", "stream", "in_flight", "tail"), ("fused", "stream", "in_flight", "fused"))
+        ("partial/newest", "stream", "in_flight", "newest"), ("tail", "stream", "in_flight", "tail"),
+        ("fused", "stream", "in_flight", "fused"))
 
 
-def config(args, out: str, mode: str, weight_load: str, partial: int = 0, tail: int = 0, fused: bool = False):
+def config(args, out: str, mode: str, weight_load: str, partial: int = 0, tail: int = 0, fused: bool = False,
+           newest: bool = False):
     from async_rlhf import AsyncOnlineDPOConfig
 
     if args.batch % args.micro_batches:
@@ -68,6 +73,8 @@ def config(args, out: str, mode: str, weight_load: str, partial: int = 0, tail: 
         generator_devices=["cpu"] * args.generators,
         generator_threads=1, learner_threads=1, generation_mode=mode, weight_load=weight_load,
         logging_steps=1000, save_strategy="no", seed=0, disable_tqdm=True, report_to=[],
+        staleness_bound="newest" if newest else "oldest",
+        max_oldest_staleness=args.max_oldest_staleness if newest else None,
     )
 
 
@@ -78,13 +85,14 @@ def dataset(args):
     return toy_prompts(512, seed=0, lengths=(mean, cv, args.new_tokens) if mean else None)
 
 
-def run(args, model_dir: str, mode: str, weight_load: str, partial: int, tail: int, fused: bool = False) -> dict:
+def run(args, model_dir: str, mode: str, weight_load: str, partial: int, tail: int, fused: bool = False,
+        newest: bool = False) -> dict:
     from async_rlhf import AsyncOnlineDPOTrainer
     from async_rlhf.data.toy_task import lowercase_reward
 
     out = tempfile.mkdtemp(prefix=f"bench-stream-{mode}-")
     trainer = AsyncOnlineDPOTrainer(model=model_dir, reward_funcs=lowercase_reward,
-                                    args=config(args, out, mode, weight_load, partial, tail, fused),
+                                    args=config(args, out, mode, weight_load, partial, tail, fused, newest),
                                     train_dataset=dataset(args))
     trainer.train()
     return trainer.run_summary
@@ -168,6 +176,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lengths", type=float, nargs=2, default=[48.0, 1.0], metavar=("MEAN", "CV"))
     p.add_argument("--max_staleness", type=int, default=1)
     p.add_argument("--partial", type=int, default=0, help="partial_rollouts of the partial run (0: no partial run)")
+    p.add_argument("--max_oldest_staleness", type=int, default=None,
+                   help="the partial/newest run's cap on the oldest token (default: 2 x max_staleness)")
     p.add_argument("--tail", type=int, default=0, help="tail_migration of the tail run (0: no tail run)")
     p.add_argument("--micro_batches", type=int, default=1,
                    help="gradient_accumulation_steps of every run (each step's prompts split into that many "
@@ -186,9 +196,9 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = save_tiny_model(tempfile.mkdtemp(prefix="bench-model-"))
     if args.tail and args.generators < 2:
         raise SystemExit(f"--tail {args.tail} needs --generators 2 or more (got {args.generators})")
-    extra = {0: 0, "partial": args.partial, "tail": args.tail, "fused": args.micro_batches > 1}
-    runs = [(n, m, w, extra[x] if x == "partial" else 0, extra[x] if x == "tail" else 0, x == "fused")
-            for n, m, w, x in RUNS if n in args.runs and (not x or extra[x])]
+    extra = {0: 0, "partial": args.partial, "newest": args.partial, "tail": args.tail, "fused": args.micro_batches > 1}
+    runs = [(n, m, w, extra[x] if x in ("partial", "newest") else 0, extra[x] if x == "tail" else 0, x == "fused",
+             x == "newest") for n, m, w, x in RUNS if n in args.runs and (not x or extra[x])]
     rounds = []  # each round: every ideal, then every run, so that a drift of the machine's speed hits all alike
     for _ in range(args.rounds):
         # the ideals first: the first vLLM engine on a machine compiles kernels (torch inductor, cached on disk,
@@ -196,10 +206,10 @@ def main(argv: list[str] | None = None) -> None:
         window = (args.max_staleness + 1) * args.batch
         ideals = {"ideal": ideal(args, model_dir, window),
                   "ideal under bound": ideal(args, model_dir, window, bound=args.max_staleness)}
-        if args.partial and "partial" in args.runs:
+        if args.partial and {"partial", "partial/newest"} & set(args.runs):
             ideals["ideal+partial"] = ideal(args, model_dir, window + args.partial)
-        results = {name: run(args, model_dir, mode, wl, partial, tail, fused)
-                   for name, mode, wl, partial, tail, fused in runs}
+        results = {name: run(args, model_dir, mode, wl, partial, tail, fused, newest)
+                   for name, mode, wl, partial, tail, fused, newest in runs}
         rounds.append((ideals, results))
     report(args, rounds)
 
@@ -232,16 +242,17 @@ def report(args, rounds: list[tuple[dict, dict]]) -> None:
     for name, s in median_runs.items():
         r = rate(s)
         base = base or r
-        own_ideal = ideals["ideal+partial"] if name == "partial" else ideals["ideal"]
+        own_ideal = ideals["ideal+partial"] if name.startswith("partial") else ideals["ideal"]
         imb = s["generator_imbalance"]
         imb = f"{imb['imbalance']:.2f} ({imb['imbalance_count_split']:.2f})" if imb else ""
         busy = s["generator_busy_seconds"] / (s["generators"] * s["loop_seconds"])
         hidden = s.get("scoring_hidden_fraction")
         hidden = f"{hidden:6.2f}" if hidden is not None else f"{'-':>6}"
-        of_bound = f"{r / ideals['ideal under bound']:8.2f}" if name != "partial" else f"{'-':>8}"
+        of_bound = f"{r / ideals['ideal under bound']:8.2f}" if not name.startswith("partial") else f"{'-':>8}"
         pr = s.get("partial_rollouts")
         pr = (f"  carried {pr['carried']:.0f}, dropped {pr['dropped']:.0f} groups ("
-              f"{pr['dropped_tokens'] / (pr['dropped_tokens'] + s['generated_tokens']):.2f} of the tokens)") if pr else ""
+              f"{pr['dropped_tokens'] / (pr['dropped_tokens'] + s['generated_tokens']):.2f} of the tokens); "
+              f"steps behind of each step's oldest token: {s['staleness_histogram']}") if pr else ""
         if s.get("early_micro_batches") is not None:
             pr += f"  {s['early_micro_batches']:.0f} micro-batches trained before their batch was complete"
         tm = s.get("tail_migration")
@@ -253,10 +264,10 @@ def report(args, rounds: list[tuple[dict, dict]]) -> None:
         print(f"{k:18} {v:9.2f} {v / base:7.2f}x {v / ideals['ideal']:8.2f}")
     best = max(median_runs, key=lambda k: rate(median_runs[k]))
     r = rate(median_runs[best])
-    own_ideal = ideals["ideal+partial"] if best == "partial" else ideals["ideal"]
+    own_ideal = ideals["ideal+partial"] if best.startswith("partial") else ideals["ideal"]
     print(f"best: {best}; speed-up over batch-level: {r / base:.2f}x; fraction of the ideal: {r / own_ideal:.2f}"
           + (f"; fraction of the ideal under the staleness bound: {r / ideals['ideal under bound']:.2f}"
-             if best != "partial" else ""))
+             if not best.startswith("partial") else ""))
 
 
 if __name__ == "__main__":

@@ -34,12 +34,12 @@ class AsyncOnlineDPOConfig(AsyncRLConfig):
         return self.beta
 
 
-OFF_POLICY_CORRECTIONS = ("none", "tis", "decoupled")
+OFF_POLICY_CORRECTIONS = ("auto", "none", "tis", "decoupled", "masked")
 
 
 @dataclass
 class AsyncPolicyGradientConfig(AsyncRLConfig):
-    """Fields shared by the policy-gradient learners (RLOO, PPO). Names follow TRL's RLOOConfig."""
+    """Fields shared by the policy-gradient learners (RLOO, PPO, GRPO). Names follow TRL's RLOOConfig."""
 
     learning_rate: float = field(default=1e-6, metadata={"help": "AdamW learning rate (TRL RLOO default)."})
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature; log-probs use the same."})
@@ -49,13 +49,28 @@ class AsyncPolicyGradientConfig(AsyncRLConfig):
     max_completion_length: int | None = field(default=None, metadata={"help": "TRL's name for max_new_tokens; "
                                                                                "overrides it when set."})
     off_policy_correction: str = field(
-        default="none",
-        metadata={"help": "Stale-sample handling: 'none' (clip the ratio against the generator's behaviour "
-                  "log-probs), 'tis' (truncated importance weights min(pi_prox/mu, is_cap) with the ratio "
-                  "against the proximal policy = learner weights before the update) or 'decoupled' (the "
-                  "decoupled PPO objective, Hilton et al. 2021; tokens with weight above is_cap are dropped)."},
+        default="auto",
+        metadata={"help": "Stale-sample handling (mu: the generator's behaviour log-probs; pi_prox: the learner's "
+                  "weights before the update). 'none': the PPO ratio pi/mu, clipped (plain PPO on whatever "
+                  "arrived). 'tis': token-level truncated importance sampling, each token weighted by "
+                  "min(pi_prox/mu, is_cap), the ratio against pi_prox. 'decoupled': decoupled PPO (Hilton et al. "
+                  "2021), weight pi_prox/mu, tokens above is_cap dropped. 'masked': masked IS with two-sided bounds "
+                  "(IcePop-style), weight pi_prox/mu, tokens outside [is_floor, is_cap] dropped. 'auto' (default): "
+                  "'none' when no token can be stale (max_staleness 0: parity with synchronous training, "
+                  "tests/integration/test_sync_parity.py), else 'tis' for RLOO, PPO and GRPO: plain PPO one step "
+                  "stale failed where TIS trained (marin #8955: GSM8k 2/128 against 98/128, Qwen3-0.6B), an "
+                  "unclipped loss diverged at 3 steps (Tinker cookbook #822), PipelineRL and TRL's vLLM correction "
+                  "ship token-level TIS; on our toy task at N = 4 it ended highest for RLOO and PPO, level for GRPO "
+                  "(one seed, evals/results/off_policy_defaults). Online DPO takes no correction: its loss has no "
+                  "importance ratio (the paper's most staleness-robust learner). The resolved value is what the run "
+                  "records."},
     )
-    is_cap: float = field(default=2.0, metadata={"help": "Cap of the importance weights ('tis', 'decoupled')."})
+    is_cap: float = field(default=2.0, metadata={"help": "Upper bound of the importance weights ('tis', "
+                                                         "'decoupled', 'masked')."})
+    is_floor: float = field(default=0.5, metadata={"help": "Lower bound of the importance weights ('masked'): "
+                                                           "tokens with pi_prox/mu below it are dropped."})
+
+    stale_correction = "tis"  # what 'auto' resolves to when tokens can be stale
 
     def __post_init__(self):
         check_types(self)
@@ -66,6 +81,10 @@ class AsyncPolicyGradientConfig(AsyncRLConfig):
         _require(self.off_policy_correction in OFF_POLICY_CORRECTIONS, "off_policy_correction",
                  f"{self.off_policy_correction!r} is not one of {OFF_POLICY_CORRECTIONS}")
         _require(self.is_cap > 1, "is_cap", f"must be > 1, got {self.is_cap}")
+        _require(0 <= self.is_floor < 1, "is_floor", f"must be in [0, 1), got {self.is_floor}")
+        super().__post_init__()
+        if self.off_policy_correction == "auto":  # after the shared checks: max_staleness may come from N
+            self.off_policy_correction = "none" if self.max_token_staleness() == 0 else self.stale_correction
         super().__post_init__()
 
 

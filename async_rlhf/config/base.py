@@ -21,6 +21,7 @@ from async_rlhf.config.checks import (
     check_dir,
     check_elastic,
     check_generator_servers,
+    check_staleness_bound,
     check_types,
     check_weight_transport,
     choose_transport,
@@ -61,6 +62,23 @@ class AsyncRLConfig(TrainingArguments):
             "a batch is only sent to a generator whose weights already satisfy the bound; anything that still "
             "arrives too stale (e.g. after a resume) is dropped, counted and regenerated."
         },
+    )
+    staleness_bound: str = field(
+        default="oldest",
+        metadata={
+            "help": "Which token of a sample max_staleness bounds. 'oldest' (default; every shipped system's rule): "
+            "every token of a sample trained at step v was sampled by a policy of version >= v - max_staleness. "
+            "'newest': its newest token was, while its oldest token is only held to v - max_oldest_staleness: a "
+            "sample may have started earlier if it kept generating on fresh weights (each token keeps the version "
+            "and behaviour log-prob it was sampled with, so per-token corrections stay exact). Needs "
+            "partial_rollouts >= 1 (groups not tied to a step, weights loaded in flight). Throughput and quality "
+            "of the two rules: README, staleness."
+        },
+    )
+    max_oldest_staleness: int | None = field(
+        default=None,
+        metadata={"help": "With staleness_bound 'newest': the cap on a trained sample's oldest token, "
+                  ">= max_staleness (None: 2 x max_staleness). Not used with 'oldest' (the cap is max_staleness)."},
     )
     num_mini_batches: int | None = field(
         default=None,
@@ -366,6 +384,7 @@ class AsyncRLConfig(TrainingArguments):
             _require(getattr(self, name) in allowed, name, f"{getattr(self, name)!r} is not one of {allowed}")
         check_generator_servers(self)
         check_counts(self)
+        check_staleness_bound(self)
         check_elastic(self)
         check_combinations(self)
         check_dir("shm_dir", self.shm_dir)
@@ -406,6 +425,11 @@ class AsyncRLConfig(TrainingArguments):
             # between the dicts. Off a terminal the dicts alone then, one a line (transformers' PrinterCallback).
             self.disable_tqdm = True
         super().__post_init__()
+
+    def max_token_staleness(self) -> int:
+        """The most steps behind the learner any trained token may be: max_staleness under the 'oldest' rule,
+        max_oldest_staleness under 'newest'."""
+        return self.max_oldest_staleness if self.staleness_bound == "newest" else self.max_staleness
 
     def cpu_learner_threads(self) -> int:
         """Threads for one CPU learner rank. More threads than free cores is far worse than fewer: OpenMP's

@@ -174,6 +174,32 @@ def check_elastic(config) -> None:
                           "its own")
 
 
+STALENESS_BOUNDS = ("oldest", "newest")
+
+
+def check_staleness_bound(config) -> None:
+    """The 'newest' rule lets a group outlive max_staleness steps while it keeps sampling on fresh weights: only
+    partial rollouts keep a group open across steps (a batch tied to its step gains nothing from it); its second
+    cap, on the oldest token, defaults to twice max_staleness and cannot be below it."""
+    if config.staleness_bound not in STALENESS_BOUNDS:
+        raise ConfigError(f"staleness_bound: {config.staleness_bound!r} is not one of {STALENESS_BOUNDS}")
+    cap = config.max_oldest_staleness
+    if config.staleness_bound == "oldest":
+        if cap is not None:
+            raise ConfigError(f"max_oldest_staleness: {cap} is only used with staleness_bound='newest' (got "
+                              f"staleness_bound='oldest', whose cap on every token is max_staleness="
+                              f"{config.max_staleness})")
+        return
+    if not config.partial_rollouts:
+        raise ConfigError(f"staleness_bound: 'newest' needs partial_rollouts >= 1 (got partial_rollouts="
+                          f"{config.partial_rollouts}: a batch tied to its step cannot outlive max_staleness)")
+    if cap is None:
+        config.max_oldest_staleness = cap = 2 * config.max_staleness
+    if not isinstance(cap, int) or cap < config.max_staleness:
+        raise ConfigError(f"max_oldest_staleness: must be an integer >= max_staleness={config.max_staleness}, "
+                          f"got {cap!r}")
+
+
 def check_generator_servers(config) -> None:
     """Every `generator_servers` entry is an address the HTTP client can reach (scheme, host, port)."""
     for address in config.generator_servers or []:

@@ -5,20 +5,30 @@ batch schedule (`pipeline/batch_forming.py`) that routes dispatch, arriving grou
 
 Groups. The prompt stream is read group by group: group (b, j) is prompt j of `PromptStream.prompts_for_step(b)`,
 sampled with that pair's seeds, exactly as when batch b is streamed whole. Groups are sent in stream order while
-fewer than `(queued_version + max_staleness - step + 1) x prompts_per_step + partial_rollouts` are open (sent, not
+fewer than `(queued_version + S - step + 1) x prompts_per_step + partial_rollouts` are open (sent, not
 yet trained): the batches that admission allows today, plus `partial_rollouts` groups more. A group keeps running in
 its generator across steps; with `weight_load="in_flight"` (required) every token keeps the version that sampled it,
 and a group's `policy_version` is its oldest token's.
 
-Closing step b: it trains `prompts_per_step` finished groups of version >= b - max_staleness, the oldest version
-first (then stream order). It waits only for enough such groups, and for a regenerated group that is due (below);
-never for an unfinished first attempt. The unfinished groups left open are carried (`carried`).
+The staleness rule (`staleness_bound`). With S = max_staleness and S_old its cap on the oldest token (S_old = S under
+"oldest"; max_oldest_staleness under "newest"), a finished group may be trained at step b when every sample's newest
+token has version >= b - S and every token has version >= b - S_old. Under "oldest" the second implies the first: the
+rule is the familiar "oldest token >= b - S". A group's *deadline* is the last step that may train it,
+min(newest + S, oldest + S_old). Admission keeps the S horizon under both rules: a group that ends soon after it is
+sent (most do) has its newest token near the queued weights q and must be trained by about q + S; sending S_old
+steps' worth would only send groups to be dropped (measured: 15 of 32 dropped on a test run). The second cap
+decides how long a group that keeps sampling stays trainable, and when a pinned one falls due.
+
+Closing step b: it trains `prompts_per_step` finished groups within the rule, the earliest deadline first (then
+stream order; under "oldest", the oldest version first). It waits only for enough such groups, and for a regenerated
+group that is due (below); never for an unfinished first attempt. The unfinished groups left open are carried
+(`carried`).
 
 Guarantees:
-* **Staleness bound.** No group of version < b - max_staleness is trained at step b. A finished group that could only
-  be trained past the bound is dropped (`dropped`) and regenerated with the newest weights and a seed of its own
-  (`attempt`); it is then *pinned*: the step at which its version reaches the bound (`sent_version +
-  max_staleness`) waits for it, so a prompt whose samples are always long is trained at its second attempt instead
+* **Staleness bound.** No group outside the rule is trained at step b. A finished group that could only be trained
+  past its deadline is dropped (`dropped`) and regenerated with the newest weights and a seed of its own
+  (`attempt`); it is then *pinned*: the step at which its oldest token reaches the bound (`sent_version + S_old`)
+  waits for it, so a prompt whose samples are always long is trained at its second attempt instead
   of being dropped for ever. Pinned groups due at one step beyond `prompts_per_step` are dropped again (counted).
 * **Exactly once.** Every group of the stream up to the run's last step is trained by exactly one step (none twice,
   none skipped); `RolloutBatch.origins` names, for each prompt of a step's batch, its (batch, index), which is what
@@ -53,13 +63,22 @@ class _Group:
     rollouts: RolloutBatch | None = None
 
 
+def deadline(part: RolloutBatch, max_staleness: int, max_oldest_staleness: int) -> int:
+    """The last step that may train `part` under the staleness rule (module docstring)."""
+    return min(part.newest_version() + max_staleness, part.policy_version + max_oldest_staleness)
+
+
 class PartialRollouts:
     def __init__(self, prompts_per_step: int, max_staleness: int, extra: int,
-                 send: Callable[[int, list[int], int], None]):
-        """`send(batch, indices, attempt)` sends groups (batch, j) for j in `indices` to the generators."""
+                 send: Callable[[int, list[int], int], None], max_oldest_staleness: int | None = None):
+        """`send(batch, indices, attempt)` sends groups (batch, j) for j in `indices` to the generators.
+        `max_oldest_staleness`: the cap on the oldest token under staleness_bound "newest"; None: "oldest" (S)."""
         if max_staleness < 1 or extra < 1:
             raise ValueError(f"partial rollouts need max_staleness >= 1 and extra >= 1, got {max_staleness}, {extra}")
-        self.P, self.S, self.extra, self.send = prompts_per_step, max_staleness, extra, send
+        s_old = max_staleness if max_oldest_staleness is None else max_oldest_staleness
+        if s_old < max_staleness:
+            raise ValueError(f"max_oldest_staleness must be >= max_staleness, got {s_old} < {max_staleness}")
+        self.P, self.S, self.S_old, self.extra, self.send = prompts_per_step, max_staleness, s_old, extra, send
         self.step = 0  # next step to train
         self.next_group = 0  # next group of the stream to send, as b * P + j
         self.open: dict[tuple[int, int], _Group] = {}
@@ -113,20 +132,20 @@ class PartialRollouts:
 
     def _drop_stale(self, step: int) -> None:
         for g in self.open.values():
-            if g.rollouts is not None and g.rollouts.policy_version < step - self.S:
+            if g.rollouts is not None and deadline(g.rollouts, self.S, self.S_old) < step:
                 self.dropped_tokens += g.rollouts.num_tokens
                 g.rollouts, g.attempt, g.to_send = None, g.attempt + 1, True
                 self.dropped += 1
 
     def _choose(self, step: int) -> list[tuple[int, int]] | None:
         ready = [k for k, g in self.open.items() if g.rollouts is not None]
-        pinned_due = any(g.rollouts is None and not g.to_send and g.attempt and g.sent_version + self.S == step
+        pinned_due = any(g.rollouts is None and not g.to_send and g.attempt and g.sent_version + self.S_old == step
                          for g in self.open.values())
         if len(ready) < self.P:
             return None
         if pinned_due and sum(1 for k in ready if self.open[k].attempt) < self.P:
             return None  # wait for the due pinned groups, unless finished pinned groups fill the step anyway
-        ready.sort(key=lambda k: (self.open[k].rollouts.policy_version, -self.open[k].attempt, k))
+        ready.sort(key=lambda k: (deadline(self.open[k].rollouts, self.S, self.S_old), -self.open[k].attempt, k))
         return ready[:self.P]
 
     def _close(self, step: int, chosen: list[tuple[int, int]]) -> RolloutBatch:
@@ -216,7 +235,8 @@ class PartialBatches:
     def __init__(self, owner):
         args = owner.args
         self.p = owner
-        self.partial = PartialRollouts(args.prompts_per_step, args.max_staleness, args.partial_rollouts, owner.send)
+        self.partial = PartialRollouts(args.prompts_per_step, args.max_staleness, args.partial_rollouts, owner.send,
+                                       args.max_oldest_staleness)
 
     def restore(self, version: int, pending: list[RolloutBatch], counters: dict) -> None:
         restore_partial(self.partial, self.p.args.partial_rollouts, version, pending, counters)

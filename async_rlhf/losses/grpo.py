@@ -22,8 +22,9 @@ What TRL 1.16's `GRPOTrainer` adds, mirrored here with its names:
 - `use_bias_correction_kl`: the KL term multiplied by the (differentiable) ratio r.
 
 The asynchronous part is the same as `ppo.ppo_policy_loss`: the ratio r = π/`old_logps`, and `off_policy` "tis" /
-"decoupled" multiply each token's policy term (not the KL term, as TRL's vLLM importance weights) by the detached
-π_prox/μ, truncated at / dropped above `is_cap`.
+"decoupled" / "masked" multiply each token's policy term (not the KL term, as TRL's vLLM importance weights) by the
+detached π_prox/μ, truncated at / dropped above `is_cap` / dropped outside [`is_floor`, `is_cap`]
+(`off_policy.off_policy_weights`).
 
 Shapes: B = sequences, T = completion tokens, P = prompts, k = completions per prompt. Masks bool or float [B, T].
 """
@@ -33,7 +34,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from async_rlhf.losses.off_policy import check_same_shape, masked_mean, truncated_importance_weights
+from async_rlhf.losses.off_policy import OFF_POLICY_MODES, check_same_shape, masked_mean, off_policy_weights
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -79,20 +80,6 @@ def grpo_advantages(rewards: Tensor, scale_rewards: str = "group") -> tuple[Tens
         return torch.nan_to_num(advantages, nan=0.0), torch.isclose(std, torch.zeros_like(std))
 
 
-def _importance_weights(old_logps, behaviour_logps, keep, fmask, off_policy, is_cap):
-    """Detached per-token π_prox/μ for "tis" (truncated at is_cap) and "decoupled" (0 above is_cap), as in
-    `ppo.ppo_policy_loss`; padding gets weight 1."""
-    behaviour_logps = torch.where(keep, behaviour_logps.detach(), old_logps)
-    if off_policy == "tis":
-        return truncated_importance_weights(old_logps, behaviour_logps, is_cap, fmask)
-    with torch.no_grad():
-        weights = torch.exp(old_logps - behaviour_logps)
-        if is_cap is None:
-            return weights, torch.zeros((), dtype=weights.dtype, device=weights.device)
-        over = weights > is_cap
-        return torch.where(over, 0.0, weights), masked_mean(over.to(weights.dtype), fmask)
-
-
 def grpo_loss(
     logps: Tensor,
     old_logps: Tensor,
@@ -110,6 +97,7 @@ def grpo_loss(
     behaviour_logps: Tensor | None = None,
     off_policy: str = "none",
     is_cap: float | None = 2.0,
+    is_floor: float = 0.0,
     max_completion_length: int | None = None,
     num_items: float | Tensor | None = None,
     sapo_temperature_pos: float = 1.0,
@@ -120,7 +108,7 @@ def grpo_loss(
     With r = exp(log_w), log_w = logps − old_logps per token ("token") or its masked mean per sequence
     ("sequence", broadcast over the tokens), the clipped types' token term is
         ℓ_t = −min(min(r, δ)·A, clip(r, 1 − ε_low, 1 + ε_high)·A)      (min(r, δ) only when `delta` is set)
-    times the off-policy weight w_t ("tis" / "decoupled"), plus β·kl_t with
+    times the off-policy weight w_t ("tis" / "decoupled" / "masked"), plus β·kl_t with
         kl_t = exp(ref − logps) − (ref − logps) − 1   (× r when use_bias_correction_kl).
 
     Args:
@@ -130,22 +118,22 @@ def grpo_loss(
         mask: [B, T] 1 on the tokens that count.
         epsilon_high: defaults to epsilon_low. For "cispo" it is the cap of the detached weight.
         ref_logps: [B, T] frozen reference; required when beta != 0.
-        behaviour_logps, off_policy, is_cap: as in `ppo.ppo_policy_loss`.
+        behaviour_logps, off_policy, is_cap, is_floor: as in `ppo.ppo_policy_loss`.
         max_completion_length: the constant of "dr_grpo" (required there).
         num_items: "dapo" / "cispo": the token count the sum is divided by (default: this micro-batch's mask sum).
 
     Returns (loss, metrics), metrics detached scalars: loss, kl (masked mean of kl_t, when beta != 0), ratio_mean,
     clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean (fraction of tokens whose clip is active:
-    r < 1 − ε_low with A < 0, r > 1 + ε_high with A > 0; "cispo": cispo_clip_ratio), and for "tis" / "decoupled"
-    is_weight_mean, is_capped_frac.
+    r < 1 − ε_low with A < 0, r > 1 + ε_high with A > 0; "cispo": cispo_clip_ratio), and with a correction
+    is_weight_mean, is_capped_frac, is_ess.
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"unknown loss_type {loss_type!r}; valid: {', '.join(LOSS_TYPES)}")
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(f"unknown importance_sampling_level {importance_sampling_level!r}; valid: "
                          f"{', '.join(IMPORTANCE_SAMPLING_LEVELS)}")
-    if off_policy not in ("none", "tis", "decoupled"):
-        raise ValueError(f"unknown off_policy {off_policy!r}; valid: none, tis, decoupled")
+    if off_policy not in OFF_POLICY_MODES:
+        raise ValueError(f"unknown off_policy {off_policy!r}; valid: {', '.join(OFF_POLICY_MODES)}")
     check_same_shape(logps=logps, old_logps=old_logps, mask=mask)
     if advantages.dim() != 1 or advantages.shape[0] != logps.shape[0]:
         raise ValueError(f"advantages must be [B] with B={logps.shape[0]}, got shape {tuple(advantages.shape)}")
@@ -154,7 +142,7 @@ def grpo_loss(
             raise ValueError(f"beta={beta} needs ref_logps")
         check_same_shape(logps=logps, ref_logps=ref_logps)
     if (off_policy == "none") != (behaviour_logps is None):
-        raise ValueError(f"off_policy={off_policy!r}: behaviour_logps must be given exactly for 'tis' / 'decoupled' "
+        raise ValueError(f"off_policy={off_policy!r}: behaviour_logps must be given exactly for a correction "
                          "(for 'none' pass the behaviour log-probs as old_logps)")
     if loss_type == "dr_grpo" and not max_completion_length:
         raise ValueError("loss_type='dr_grpo' needs max_completion_length (its normalising constant)")
@@ -186,10 +174,9 @@ def grpo_loss(
 
     if off_policy != "none":
         check_same_shape(logps=logps, behaviour_logps=behaviour_logps)
-        weights, capped_frac = _importance_weights(old_logps, behaviour_logps, keep, fmask, off_policy, is_cap)
+        weights, weight_metrics = off_policy_weights(old_logps, behaviour_logps, fmask, off_policy, is_cap, is_floor)
         per_token = per_token * weights
-        metrics["is_weight_mean"] = masked_mean(weights, fmask).detach()
-        metrics["is_capped_frac"] = capped_frac.detach()
+        metrics.update(weight_metrics)
 
     if beta != 0.0:
         d = torch.where(keep, ref_logps.detach() - logps, zero)

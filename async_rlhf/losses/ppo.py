@@ -20,9 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from async_rlhf.losses.off_policy import check_same_shape, masked_mean, truncated_importance_weights
-
-OFF_POLICY_MODES = ("none", "tis", "decoupled")
+from async_rlhf.losses.off_policy import OFF_POLICY_MODES, check_same_shape, masked_mean, off_policy_weights
 
 
 def gae_advantages(
@@ -92,6 +90,7 @@ def ppo_policy_loss(
     behaviour_logps: Tensor | None = None,
     off_policy: str = "none",
     is_cap: float | None = 2.0,
+    is_floor: float = 0.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped PPO policy loss (Schulman et al. 2017, arXiv:1707.06347, eq. 7), with off-policy corrections.
 
@@ -112,8 +111,10 @@ def ppo_policy_loss(
              weight is untruncated; as a guard against exploding weights, tokens whose weight exceeds `is_cap`
              are dropped (w_t = 0, still counted in the mean's denominator, as AReaL's `behav_imp_weight_cap`).
              is_cap=None keeps every weight (exactly Hilton's objective).
+    "masked": as "decoupled", but a token is dropped when its weight is outside [is_floor, is_cap] (masked IS with
+             two-sided bounds, IcePop-style; `off_policy.masked_importance_weights`).
 
-    When old_logps == behaviour_logps, "tis" and "decoupled" reduce exactly to "none" (all weights are 1).
+    When old_logps == behaviour_logps, "tis", "decoupled" and "masked" reduce exactly to "none" (all weights are 1).
 
     Args:
         logps: [B, T] log π_θ of the sampled tokens; carries the gradient.
@@ -121,15 +122,17 @@ def ppo_policy_loss(
         advantages: [B, T] per-token advantages (detached inside).
         mask: [B, T] 1 on completion tokens.
         clip_eps: ε, the ratio clip range.
-        behaviour_logps: [B, T] log μ, required by "tis" and "decoupled".
-        off_policy: "none" | "tis" | "decoupled".
-        is_cap: importance-weight cap for "tis" (required) and "decoupled" (optional, None = no cap).
+        behaviour_logps: [B, T] log μ, required by "tis", "decoupled" and "masked".
+        off_policy: "none" | "tis" | "decoupled" | "masked".
+        is_cap: importance-weight cap for "tis" and "masked" (required) and "decoupled" (optional, None = no cap).
+        is_floor: the lower bound of "masked" (0 ≤ is_floor < 1).
 
     Returns (loss, metrics); metrics are detached scalars:
         loss; clipfrac: fraction of tokens where the clipped term is the active one;
         approxkl: 0.5·mean((log π_θ − log π_old)²) (TRL's estimator); ratio_mean, ratio_max: of r_t;
-        for "tis"/"decoupled" also is_weight_mean (mean applied w_t) and is_capped_frac (fraction of tokens
-        whose raw weight exceeded is_cap: truncated for "tis", dropped for "decoupled").
+        with a correction also is_weight_mean (mean applied w_t), is_capped_frac (fraction of tokens whose raw
+        weight was out of bounds: truncated for "tis", dropped for "decoupled" / "masked") and is_ess (normalised
+        effective sample size of the applied weights, `off_policy.importance_ess`).
     """
     if off_policy not in OFF_POLICY_MODES:
         raise ValueError(f"unknown off_policy {off_policy!r}; valid: {', '.join(OFF_POLICY_MODES)}")
@@ -143,8 +146,8 @@ def ppo_policy_loss(
         if behaviour_logps is None:
             raise ValueError(f"off_policy={off_policy!r} needs behaviour_logps")
         check_same_shape(logps=logps, behaviour_logps=behaviour_logps)
-        if off_policy == "tis" and is_cap is None:
-            raise ValueError("off_policy='tis' needs a float is_cap")
+        if off_policy in ("tis", "masked") and is_cap is None:
+            raise ValueError(f"off_policy={off_policy!r} needs a float is_cap")
 
     # Padding may hold anything (TRL pads log-probs with 1.0, others with 0 or nan): neutralise it up front so
     # that no inf/nan reaches a product whose backward would turn 0·inf into nan.
@@ -160,22 +163,9 @@ def ppo_policy_loss(
 
     metrics: dict[str, Tensor] = {}
     if off_policy != "none":
-        behaviour_logps = torch.where(keep, behaviour_logps.detach(), old_logps)  # padding: weight exactly 1
-    if off_policy == "tis":
-        weights, capped_frac = truncated_importance_weights(old_logps, behaviour_logps, is_cap, fmask)
-    elif off_policy == "decoupled":
-        with torch.no_grad():
-            weights = torch.exp(old_logps - behaviour_logps)
-            if is_cap is None:
-                capped_frac = torch.zeros((), dtype=logps.dtype, device=logps.device)
-            else:
-                over = weights > is_cap
-                capped_frac = masked_mean(over.to(weights.dtype), fmask)
-                weights = torch.where(over, 0.0, weights)
-    if off_policy != "none":
+        weights, weight_metrics = off_policy_weights(old_logps, behaviour_logps, fmask, off_policy, is_cap, is_floor)
         per_token = per_token * weights
-        metrics["is_weight_mean"] = masked_mean(weights, fmask).detach()
-        metrics["is_capped_frac"] = capped_frac.detach()
+        metrics.update(weight_metrics)
 
     loss = masked_mean(per_token, fmask)
     with torch.no_grad():

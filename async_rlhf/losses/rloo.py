@@ -6,7 +6,7 @@ completion i is the mean reward of the other k − 1, so the advantage needs no 
 
 The KL penalty to the reference model is folded into the sequence reward (`kl_shaped_rewards`), and the update is
 the clipped PPO loss of `ppo.py` with the sequence advantage repeated on every completion token (`rloo_loss`);
-this is where its staleness corrections ("tis", "decoupled") come from. Note the ratio is per token, as in
+this is where its staleness corrections ("tis", "decoupled", "masked") come from. Note the ratio is per token, as in
 `ppo_policy_loss`; TRL's former RLOOTrainer clipped the ratio of whole-sequence probabilities instead.
 
 Shapes: B = sequences, T = completion tokens, k = completions per prompt. Masks are bool or float [B, T].
@@ -74,13 +74,14 @@ def rloo_loss(
     behaviour_logps: Tensor | None = None,
     off_policy: str = "none",
     is_cap: float | None = 2.0,
+    is_floor: float = 0.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """`ppo.ppo_policy_loss` with one advantage per sequence, repeated over its tokens.
 
     Args:
         advantages: [B] sequence advantages, e.g. `rloo_advantages(rewards).reshape(-1)`.
         logps, old_logps, mask, behaviour_logps: [B, T]; everything else as in `ppo_policy_loss`, whose
-            docstring defines the "none" / "tis" / "decoupled" modes.
+            docstring defines the "none" / "tis" / "decoupled" / "masked" modes.
 
     Returns (loss, metrics) from `ppo_policy_loss`.
     """
@@ -98,4 +99,5 @@ def rloo_loss(
         behaviour_logps=behaviour_logps,
         off_policy=off_policy,
         is_cap=is_cap,
+        is_floor=is_floor,
     )

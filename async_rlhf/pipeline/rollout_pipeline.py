@@ -8,7 +8,9 @@ schedule (`batch_forming.py`); other ranks hold nothing and receive each step's 
 Step protocol, per optimizer step b (every learner rank calls both, in this order):
 1. `batch_for_step(b)`: rank 0 waits (at most `rollout_timeout`) for batch b, checks its staleness
    (version >= b - max_staleness, else drops and regenerates it), and broadcasts it to all ranks. With
-   `partial_rollouts` the batch is instead the first finished groups within the bound (`experimental/partial_rollouts.py`).
+   `partial_rollouts` the batch is instead the first finished groups within the bound
+   (`experimental/partial_rollouts.py`, which also applies `staleness_bound="newest"`: newest token >= b -
+   max_staleness, oldest >= b - max_oldest_staleness).
    Trainers ask for it one micro-batch at a time (`micro_batch`), in arrival order with `train_while_generating`
    (`experimental/arrival_order.py`).
 2. After the optimizer step, `after_optimizer_step(model, b + 1)`: every `sync_every` steps the weights are

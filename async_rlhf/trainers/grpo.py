@@ -74,7 +74,7 @@ class AsyncGRPOTrainer(AsyncTrainerBase):
                             epsilon_high=a.epsilon_high, delta=a.delta,
                             importance_sampling_level=a.importance_sampling_level, ref_logps=t.seq.ref_logps,
                             beta=a.beta, use_bias_correction_kl=a.use_bias_correction_kl, behaviour_logps=mu,
-                            off_policy=a.off_policy_correction, is_cap=a.is_cap,
+                            off_policy=a.off_policy_correction, is_cap=a.is_cap, is_floor=a.is_floor,
                             max_completion_length=a.max_new_tokens,
                             num_items=self._step_token_count() if a.loss_type in ("dapo", "cispo") else None,
                             sapo_temperature_pos=a.sapo_temperature_pos, sapo_temperature_neg=a.sapo_temperature_neg)

@@ -1,12 +1,14 @@
-"""What the policy-gradient learners (RLOO, PPO) share: the per-token log-prob terms of a micro-batch and the
+"""What the policy-gradient learners (RLOO, PPO, GRPO) share: the per-token log-prob terms of a micro-batch and the
 choice of the ratio's denominator under each off-policy correction.
 
 For a stale sample three policies matter: the behaviour policy μ that the generator sampled from (its log-probs
 travel with the rollout), the proximal policy π_prox (the learner's weights before this update: with one
 optimizer step per batch it is the current forward pass, detached), and the policy π being trained.
 - "none": the PPO ratio is π/μ, clipped: plain PPO on whatever data arrived.
-- "tis", "decoupled": the ratio is π/π_prox, clipped, and each token is weighted by π_prox/μ (capped / dropped
-  above `is_cap`); see `losses/ppo.py`.
+- "tis", "decoupled", "masked": the ratio is π/π_prox, clipped, and each token is weighted by π_prox/μ (truncated
+  at `is_cap` / dropped above it / dropped outside [`is_floor`, `is_cap`]); see `losses/off_policy.py`.
+Every step logs `off_policy/is_ess`, the effective sample size of the raw weights π/μ (1 on-policy), whatever the
+correction; with one, `policy/is_ess` is that of the weights the loss applied.
 """
 
 from __future__ import annotations
@@ -57,6 +59,6 @@ def common_metrics(t: PolicyTerms, shaped: torch.Tensor, beta: float) -> dict[st
         "learner/valid_fraction": rows.float().mean().item(),
     }
     drift = log_ratio_stats(t.seq.logps.detach(), t.seq.behaviour, t.mask)
-    for k in ("log_ratio_mean", "log_ratio_abs_max", "is_weight_mean", "is_weight_max", "kl"):
+    for k in ("log_ratio_mean", "log_ratio_abs_max", "is_weight_mean", "is_weight_max", "kl", "is_ess"):
         out[f"off_policy/{k}"] = float(drift[k])
     return out

@@ -72,7 +72,7 @@ class AsyncPPOTrainer(AsyncTrainerBase):
             advantages = whiten(advantages, t.mask)
         old, mu = ratio_denominator(t, a.off_policy_correction)
         pg_loss, pm = ppo_policy_loss(t.seq.logps, old, advantages, t.mask, clip_eps=a.epsilon, behaviour_logps=mu,
-                                      off_policy=a.off_policy_correction, is_cap=a.is_cap)
+                                      off_policy=a.off_policy_correction, is_cap=a.is_cap, is_floor=a.is_floor)
         vf_loss, vm = ppo_value_loss(values, values.detach(), returns, t.mask, clip_range_value=a.cliprange_value)
         metrics = {f"policy/{k}": float(v) for k, v in pm.items()}
         metrics.update({f"value/{k}": float(v) for k, v in vm.items()})

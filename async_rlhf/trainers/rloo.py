@@ -34,7 +34,7 @@ class AsyncRLOOTrainer(AsyncTrainerBase):
             advantages = whiten(advantages, t.valid.to(advantages.dtype))
         old, mu = ratio_denominator(t, a.off_policy_correction)
         loss, m = rloo_loss(t.seq.logps, old, advantages, t.mask, clip_eps=a.epsilon, behaviour_logps=mu,
-                            off_policy=a.off_policy_correction, is_cap=a.is_cap)
+                            off_policy=a.off_policy_correction, is_cap=a.is_cap, is_floor=a.is_floor)
         metrics = {f"policy/{k}": float(v) for k, v in m.items()}
         metrics.update(common_metrics(t, shaped, a.beta))
         return loss, metrics

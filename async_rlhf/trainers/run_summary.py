@@ -59,6 +59,10 @@ def build_summary(pipeline, args, accelerator, steps: int, wall: float, loop_sec
         "regenerated": p.regenerated,
         "rewards_skipped": rewards_skipped,
         "max_staleness": args.max_staleness,
+        # the rule (`staleness_bound`): "oldest" bounds every token by max_staleness; "newest" bounds the newest token
+        # by it and the oldest by max_oldest_staleness (the histogram counts steps behind of each batch's oldest token)
+        "staleness_bound": args.staleness_bound,
+        "max_oldest_staleness": args.max_oldest_staleness,
         "sync_every": args.sync_every,
         "learners": {"processes": accelerator.num_processes,
                      "distributed_type": accelerator.distributed_type.value,
@@ -86,7 +90,9 @@ def format_summary(s: dict) -> str:
         f"{s['wait_seconds']:.1f}s | syncing {s['sync_seconds']:.2f}s (+{s['sync_load_seconds']:.2f}s loading in "
         f"generators, {s['sync_bytes'] / 1e6:.1f} MB)" + (f" | evaluating {s['eval_seconds']:.1f}s (not in training)"
                                                         if s.get("eval_seconds") else ""),
-        f"staleness histogram (steps behind: batches) {{{hist}}} | bound {s['max_staleness']} | dropped "
+        f"staleness histogram (steps behind: batches) {{{hist}}} | bound {s['max_staleness']}"
+        + (f" on the newest token, {s['max_oldest_staleness']} on the oldest" if s.get("staleness_bound") == "newest"
+           else "") + " | dropped "
         f"{s['dropped']} | regenerated {s['regenerated']} | rewards skipped {s['rewards_skipped']}",
         f"final: {final}",
     ] + ([f"weights never acknowledged (generator: versions): {s['generator_versions_pending']}"]

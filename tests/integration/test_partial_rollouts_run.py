@@ -5,7 +5,9 @@
   exactly once (none twice, none lost), with the prompts the stream gives it;
 * a run stopped at a checkpoint while groups were still generating and resumed: finished-but-untrained groups are
   trained from the checkpoint as they were (their version span predates the resume), unfinished ones regenerated;
-* a generator killed mid-stream while groups are carried (slow): restarted, nothing lost or counted twice.
+* a generator killed mid-stream while groups are carried (slow): restarted, nothing lost or counted twice;
+* `staleness_bound="newest"`: every sample's newest token within `step - max_staleness`, its oldest within
+  `step - max_oldest_staleness`, every group still trained exactly once.
 
 Prompts get lognormal completion budgets (`toy_prompts(lengths=...)`), so groups finish out of order and some are
 carried across steps.
@@ -50,7 +52,8 @@ def final_records(out) -> dict[int, dict]:
     return final
 
 
-def check_records(out, steps: int = STEPS) -> dict[int, dict]:
+def check_records(out, steps: int = STEPS, s_old: int = S) -> dict[int, dict]:
+    """`s_old`: the cap on the oldest token (S under "oldest"; max_oldest_staleness under "newest")."""
     final = final_records(out)
     assert sorted(final) == list(range(steps))
     stream = PromptStream(64, P, 5)
@@ -60,7 +63,7 @@ def check_records(out, steps: int = STEPS) -> dict[int, dict]:
         for (b, j), pid, samples, span in zip(r["groups"], r["prompt_ids"], r["sample_versions"], r["group_versions"]):
             assert pid == stream.prompts_for_step(b)[j]  # the prompt the stream gives that group
             for oldest, newest in samples:  # every sample, by its oldest and newest token
-                assert step - S <= oldest <= newest <= step, (step, b, j, samples)
+                assert step - s_old <= oldest <= newest <= step and newest >= step - S, (step, b, j, samples)
             assert span == [min(o for o, _ in samples), max(n for _, n in samples)]
         assert r["policy_version"] == min(span[0] for span in r["group_versions"])
         trained += [tuple(g) for g in r["groups"]]
@@ -116,3 +119,14 @@ def test_generator_killed_mid_stream_with_carried_groups_loses_nothing(tmp_path,
     trainer.train()
     assert trainer.run_summary["generator_restarts"] == 1
     check_records(tmp_path)
+
+
+def test_newest_token_bound_trains_every_group_once_within_both_caps(tmp_path, tiny_model_dir):
+    trainer = AsyncOnlineDPOTrainer(tiny_model_dir, reward_funcs=lowercase_reward, train_dataset=data(),
+                                    args=config(tmp_path, staleness_bound="newest", max_oldest_staleness=3))
+    trainer.train()
+    final = check_records(tmp_path, s_old=3)
+    summary = trainer.run_summary
+    assert summary["staleness_bound"] == "newest" and summary["max_oldest_staleness"] == 3
+    behind = [step - r["policy_version"] for step, r in final.items()]
+    assert sum(summary["staleness_histogram"].values()) == STEPS and max(behind) <= 3

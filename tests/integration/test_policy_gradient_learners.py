@@ -57,8 +57,11 @@ def test_runs_end_to_end_within_the_staleness_bound(results, name, staleness):
 @pytest.mark.parametrize("name", ["rloo", "ppo"])
 def test_importance_weights_are_one_on_policy_and_not_when_stale(results, name):
     on_policy = results[name, 0][1]
-    for m in on_policy:  # behaviour == learner: weights are 1 up to float noise
+    for m in on_policy:  # behaviour == learner: weights are 1 up to float noise, so is their effective sample size
         assert abs(m["off_policy/is_weight_mean"] - 1) < 1e-4, m
         assert abs(m["off_policy/is_weight_max"] - 1) < 1e-3, m
+        assert m["off_policy/is_ess"] > 1 - 1e-4, m
     stale = [m for m in results[name, 2][1] if m["queue/staleness_of_batch"] >= 1]
     assert stale and max(abs(m["off_policy/is_weight_max"] - 1) for m in stale) > 1e-2
+    for m in stale:  # the correction's own weights (tis / decoupled here) report theirs
+        assert 0 < m["policy/is_ess"] <= 1 + 1e-6 and 0 < m["off_policy/is_ess"] <= 1 + 1e-6, m

@@ -83,7 +83,7 @@ def trainer(output_dir, make_config):
                                                                   "max_staleness \\+ 1"),
     (AsyncOnlineDPOConfig, {"save_total_limit": 1}, "save_total_limit: 1 would delete .* use >= 2 or None"),
     (AsyncRLOOConfig, {"off_policy_correction": "vtrace"}, r"off_policy_correction: 'vtrace' is not one of "
-                                                           r"\('none', 'tis', 'decoupled'\)"),
+                                                           r"\('auto', 'none', 'tis', 'decoupled', 'masked'\)"),
 ])
 def test_out_of_range_values_name_the_field_and_the_valid_values(output_dir, make_config, cls, kw, message):
     with pytest.raises(ConfigError, match=message):

@@ -1,0 +1,226 @@
+"""Parity with synchronous training: at max_staleness 0 the asynchronous trainer IS synchronous training.
+
+For each algorithm (online DPO, RLOO, PPO, GRPO) a tiny run goes through the real pipeline (a transformers generator
+process, shared-memory weight sync, the scoring thread with the fused reference) and keeps, per optimizer step, the
+scored groups it trained on and its parameters after the step (PPO: the critic's too). An in-process synchronous
+loop then trains a fresh copy of the same initial model on the same samples with the pure losses of `losses/`,
+computing itself everything the pipeline delivers with a sample: the behaviour log-probs (the policy as it stands
+before the step, as a synchronous trainer samples with it) and the reference (the initial model). The parameters
+must agree after every step within float tolerance, and the generator's behaviour log-probs must be the current
+policy's.
+
+The comparison is sensitive, and the test shows it: the same loop fed the behaviour log-probs of the policy one step
+behind, or given the policy one step behind as its reference, ends up measurably elsewhere (what a pipeline that
+delivered either would produce), and the generator's log-probs do not match the previous step's policy.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from async_rlhf import (AsyncGRPOConfig, AsyncGRPOTrainer, AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer,
+                        AsyncPPOConfig, AsyncPPOTrainer, AsyncRLOOConfig, AsyncRLOOTrainer)
+from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
+from async_rlhf.losses.dpo import dpo_loss
+from async_rlhf.losses.grpo import grpo_advantages, grpo_loss
+from async_rlhf.losses.ppo import gae_advantages, ppo_policy_loss, ppo_value_loss, whiten
+from async_rlhf.losses.rloo import kl_shaped_rewards, rloo_advantages, rloo_loss
+from async_rlhf.trainers.online_dpo import select_pairs
+from async_rlhf.trainers.ppo import build_critic, token_values
+
+STEPS = 3
+# The policy steps with plain SGD and no gradient clipping: a parameter's change is then linear in its gradient, so
+# float noise stays float noise (Adam's first steps, lr * g / (|g| + eps), turn rounding in a near-zero gradient into
+# a sizeable step) and a wrong input shows in proportion (clipping would hide a wrong scale: online DPO's reference
+# only scales its one pair's gradient). PPO's critic keeps its own AdamW, as the trainer builds it.
+RUN = dict(max_steps=STEPS, per_device_train_batch_size=2, num_generations=2, max_new_tokens=6, max_length=48,
+           optim="sgd", learning_rate=0.2, max_grad_norm=0.0, lr_scheduler_type="constant",
+           generator_backend="transformers", disable_tqdm=True, generator_start_timeout=120, rollout_timeout=120,
+           max_staleness=0, seed=11)
+# Float tolerance of the parameter comparison: the two sides differ only in rounding (the pipeline packs rows by
+# length, threads differ): observed 1e-8 to 1.2e-7 (one float32 ulp at 1) on 2 CPU cores.
+TOLERANCE = 2e-6
+# A loop fed inputs one step behind must end at least this far away: observed 3.6e-4 to 5e-2.
+SHIFT_MARGIN = 50 * TOLERANCE
+ALGORITHMS = {
+    "online_dpo": (AsyncOnlineDPOTrainer, AsyncOnlineDPOConfig, {}),
+    "rloo": (AsyncRLOOTrainer, AsyncRLOOConfig, {}),
+    "ppo": (AsyncPPOTrainer, AsyncPPOConfig, {"num_generations": 1}),
+    "grpo": (AsyncGRPOTrainer, AsyncGRPOConfig, {"beta": 0.04}),  # beta > 0: the reference is in the loss
+}
+
+
+def recording(trainer_cls):
+    """`trainer_cls` that keeps each step's scored groups and the parameters right after each optimizer step."""
+
+    class Recording(trainer_cls):
+        def micro_batch_groups(self):
+            groups = super().micro_batch_groups()
+            self.recorded_groups.append(copy.deepcopy(groups))
+            return groups
+
+        def after_optimizer_step(self):
+            super().after_optimizer_step()  # PPO steps its critic here
+            snapshot = {f"policy.{n}": p.detach().clone() for n, p in self.model.named_parameters()}
+            if hasattr(self, "critic"):
+                snapshot.update({f"critic.{n}": p.detach().clone() for n, p in self.critic.named_parameters()})
+            self.recorded_params.append(snapshot)
+
+    Recording.recorded_groups, Recording.recorded_params = None, None
+    return Recording
+
+
+@pytest.fixture(scope="module")
+def pipeline_runs(tmp_path_factory, tiny_model_dir):
+    runs = {}
+    for name, (trainer_cls, config_cls, extra) in ALGORITHMS.items():
+        config = config_cls(output_dir=str(tmp_path_factory.mktemp(name)), **{**RUN, **extra})
+        trainer = recording(trainer_cls)(model=tiny_model_dir, reward_funcs=lowercase_reward, args=config,
+                                         train_dataset=toy_prompts(32))
+        trainer.recorded_groups, trainer.recorded_params = [], []
+        trainer.train()
+        assert len(trainer.recorded_groups) == len(trainer.recorded_params) == STEPS
+        runs[name] = (config, trainer.recorded_groups, trainer.recorded_params)
+    return runs
+
+
+# ---- the synchronous loop: a fresh model, the same samples, everything else computed here ---------------------------
+def completion_logps(model, groups, temperature, rows=None):
+    """Log-prob of each completion token under `model` at `temperature`: ([B, L-1] log-probs, [B, L-1] mask,
+    input_ids, attention_mask), position t scoring token t+1. Rows: `rows`' (group, completion) pairs, by default
+    every completion of every group in order. Written here, independently of `logprobs.py`."""
+    rows = rows if rows is not None else [(g, c) for g, grp in enumerate(groups) for c in range(len(grp.completions))]
+    seqs = [groups[g].prompt_token_ids + groups[g].completions[c].token_ids for g, c in rows]
+    width = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    attention = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width - 1)
+    for i, ((g, _), s) in enumerate(zip(rows, seqs)):
+        ids[i, :len(s)] = torch.tensor(s)
+        attention[i, :len(s)] = 1
+        mask[i, len(groups[g].prompt_token_ids) - 1:len(s) - 1] = 1
+    logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float() / temperature
+    logps = torch.gather(logits.log_softmax(-1), 2, ids[:, 1:, None]).squeeze(-1)
+    return logps * mask, mask, ids, attention
+
+
+def carried_behaviour(groups, mask, rows=None):
+    """The generator's log-probs that travelled with the samples, laid out like `completion_logps`."""
+    rows = rows if rows is not None else [(g, c) for g, grp in enumerate(groups) for c in range(len(grp.completions))]
+    out = torch.zeros_like(mask)
+    for i, (g, c) in enumerate(rows):
+        pos = mask[i].nonzero().squeeze(-1)
+        out[i, pos] = torch.tensor(groups[g].completions[c].logprobs, dtype=out.dtype)
+    return out
+
+
+def step_loss(name, config, policy, critic, groups, behaviour_model, ref_model):
+    """The algorithm's loss on one step's groups; `behaviour_model` gives the ratio's denominator (a synchronous
+    trainer: the policy itself, before the step), `ref_model` the reference."""
+    a = config
+    if name == "online_dpo":
+        pairs, _ = select_pairs(groups)
+        if not pairs:
+            return None
+        rows = [(g, c) for g, c, _ in pairs] + [(g, r) for g, _, r in pairs]
+        logps, _, _, _ = completion_logps(policy, groups, 1.0, rows)
+        with torch.no_grad():
+            ref, _, _, _ = completion_logps(ref_model, groups, 1.0, rows)
+        seq, ref_seq, n = logps.sum(-1), ref.sum(-1), len(pairs)
+        return dpo_loss(seq[:n], seq[n:], ref_seq[:n], ref_seq[n:], a.beta_at(0.0), a.loss_type)[0]
+    logps, mask, ids, attention = completion_logps(policy, groups, a.temperature)
+    with torch.no_grad():
+        ref = completion_logps(ref_model, groups, a.temperature)[0]
+        mu = completion_logps(behaviour_model, groups, a.temperature)[0]
+    scores = torch.tensor([r for g in groups for r in g.rewards])
+    if name == "rloo":
+        shaped = kl_shaped_rewards(scores, logps.detach(), ref, mask, a.beta)
+        advantages = rloo_advantages(shaped.view(len(groups), a.num_generations)).reshape(-1)
+        return rloo_loss(logps, mu, advantages, mask, clip_eps=a.epsilon)[0]
+    if name == "grpo":
+        advantages = grpo_advantages(scores.view(len(groups), a.num_generations), a.scale_rewards)[0].reshape(-1)
+        return grpo_loss(logps, mu, advantages, mask, loss_type=a.loss_type, epsilon_low=a.epsilon, ref_logps=ref,
+                         beta=a.beta, max_completion_length=a.max_new_tokens)[0]
+    values = token_values(critic, ids, attention)
+    rewards = -a.beta * (logps.detach() - ref) * mask
+    last = (mask.cumsum(-1) == mask.sum(-1, keepdim=True)) & (mask > 0)
+    rewards = rewards + last.to(rewards.dtype) * scores[:, None]
+    advantages, returns = gae_advantages(rewards, values.detach(), mask, a.gamma, a.lam)
+    advantages = whiten(advantages, mask)
+    pg = ppo_policy_loss(logps, mu, advantages, mask, clip_eps=a.epsilon)[0]
+    vf = ppo_value_loss(values, values.detach(), returns, mask, clip_range_value=a.cliprange_value)[0]
+    return pg + a.vf_coef * vf
+
+
+def synchronous_run(name, config, model_dir, steps_groups, shift=None):
+    """Parameters after each step of a plain loop over `steps_groups`. `shift`: "behaviour" takes the ratio's
+    denominator from the policy one step behind, "reference" uses the policy one step behind as the reference:
+    the two inputs a pipeline could deliver a step late."""
+    torch.manual_seed(0)
+    policy = AutoModelForCausalLM.from_pretrained(model_dir)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir).eval().requires_grad_(False)
+    previous = copy.deepcopy(policy).eval().requires_grad_(False)  # the policy one step behind (the initial one first)
+    critic = build_critic(policy) if name == "ppo" else None
+    policy_opt = torch.optim.SGD(policy.parameters(), lr=config.learning_rate)
+    critic_opt = torch.optim.AdamW(critic.parameters(), lr=config.learning_rate) if critic is not None else None
+    snapshots, sampled_by = [], []
+    for groups in steps_groups:
+        before = copy.deepcopy(policy).eval().requires_grad_(False)
+        sampled_by.append((before, previous))
+        loss = step_loss(name, config, policy, critic, groups,
+                         behaviour_model=previous if shift == "behaviour" else before,
+                         ref_model=previous if shift == "reference" else reference)
+        if loss is not None:
+            loss.backward()
+        policy_opt.step()  # max_grad_norm 0: no clipping, on either side
+        policy_opt.zero_grad()
+        if critic is not None:
+            critic_opt.step()
+            critic_opt.zero_grad()
+        previous = before
+        snapshot = {f"policy.{n}": p.detach().clone() for n, p in policy.named_parameters()}
+        if critic is not None:
+            snapshot.update({f"critic.{n}": p.detach().clone() for n, p in critic.named_parameters()})
+        snapshots.append(snapshot)
+    return snapshots, sampled_by
+
+
+def max_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize("name", list(ALGORITHMS))
+def test_staleness_zero_matches_a_synchronous_loop_step_by_step(pipeline_runs, tiny_model_dir, name):
+    config, steps_groups, pipeline_params = pipeline_runs[name]
+    sync_params, sampled_by = synchronous_run(name, config, tiny_model_dir, steps_groups)
+    for step, (groups, (current, previous)) in enumerate(zip(steps_groups, sampled_by)):
+        # the samples were drawn by the policy a synchronous trainer would have sampled with at this step
+        with torch.no_grad():
+            logps, mask, _, _ = completion_logps(current, groups, config.temperature)
+            carried = carried_behaviour(groups, mask)
+            assert (carried - logps).abs().max().item() < 1e-3, f"{name} step {step}: behaviour log-probs"
+            if step:  # ... and not by the policy one step behind
+                stale = completion_logps(previous, groups, config.temperature)[0]
+                assert (carried - stale).abs().max().item() > 1e-3, f"{name} step {step}: sampled a step late?"
+        diff = max_difference(pipeline_params[step], sync_params[step])
+        print(f"{name} step {step}: max parameter difference {diff:.2e}")
+        assert diff < TOLERANCE, f"{name} step {step}: parameters differ by {diff:.2e} from the synchronous loop"
+
+
+@pytest.mark.parametrize("name,shift", [("online_dpo", "reference"), ("rloo", "behaviour"), ("rloo", "reference"),
+                                        ("ppo", "behaviour"), ("ppo", "reference"), ("grpo", "behaviour"),
+                                        ("grpo", "reference")])
+def test_inputs_one_step_late_are_caught(pipeline_runs, tiny_model_dir, name, shift):
+    """The comparison above would fail if the pipeline delivered the behaviour log-probs or the reference one step
+    late (online DPO's loss has no behaviour term; its samples' freshness is the log-prob check above)."""
+    config, steps_groups, pipeline_params = pipeline_runs[name]
+    shifted, _ = synchronous_run(name, config, tiny_model_dir, steps_groups, shift=shift)
+    assert max_difference(pipeline_params[0], shifted[0]) < TOLERANCE  # no earlier policy at step 0: same step
+    late = max(max_difference(pipeline_params[s], shifted[s]) for s in range(1, STEPS))
+    print(f"{name}, {shift} one step late: max parameter difference {late:.2e}")
+    assert late > SHIFT_MARGIN, f"{name}: a {shift} one step late moves the parameters by only {late:.2e}"
