@@ -78,6 +78,8 @@ class VLLMBackend:
         kv_cache_memory_bytes: int | None = None,  # None: DEFAULT_CPU_KV_CACHE_BYTES on CPU, the fraction on GPU
         in_process: bool = True,  # VLLM_ENABLE_V1_MULTIPROCESSING=0; see the module docstring
         weight_transport: str = "shm",  # "ipc": colocated on learner rank 0's GPU (vLLM's own "ipc" engine)
+        speculative: str = "off",  # "ngram" | "suffix" | "history": speculative decoding (generation/speculative.py)
+        num_speculative_tokens: int = 4,
     ) -> None:
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
@@ -96,8 +98,13 @@ class VLLMBackend:
             kv_cache_memory_bytes = kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
+        from async_rlhf.generation import spec_decode_cpu, speculative as spec
         from async_rlhf.weight_sync import vllm_shm_engine
 
+        spec.check(speculative, num_speculative_tokens, "vllm", servers=False)
+        if speculative == "auto":
+            raise ValueError("VLLMBackend(speculative='auto'): decide the method first (speculative_probe.py)")
+        self.speculative = speculative
         self.device = device
         self._params = _state_dict_meta(model_path)
         self._llm: LLM | None = LLM(
@@ -116,7 +123,16 @@ class VLLMBackend:
             logprobs_mode="processed_logprobs",
             worker_extension_cls=EXTENSION,
             weight_transfer_config={"backend": vllm_shm_engine.BACKEND if weight_transport == "shm" else "ipc"},
+            speculative_config=spec.vllm_config(speculative, num_speculative_tokens),
+            disable_log_stats=speculative == "off",  # the speculation counters (`spec_counters`) are vLLM stats
         )
+        # A second engine in this process re-registers the CPU platform's kernels (the broken expand among them)
+        # without re-importing our worker extension, which fixed it for the first: fix it again, and check.
+        if speculative != "off":
+            spec_decode_cpu.install()
+            if not spec_decode_cpu.installed():
+                raise RuntimeError("speculative decoding on vLLM's CPU build needs spec_decode_cpu's expand kernel, "
+                                   "which is not in place: samples would not follow the policy")
         self._client = LLMClient(self._llm)
         if weight_transport == "shm":
             self._weights = WeightTransferTrainerFactory.trainer_init(
@@ -189,6 +205,18 @@ class VLLMBackend:
         # are sampled from the new weights over the whole context, exactly as a fresh request would be.
         if not self.llm.reset_prefix_cache(reset_running_requests=True):
             raise RuntimeError("vLLM could not reset its prefix cache after a weight update")
+
+    def spec_counters(self) -> dict[str, int]:
+        """Cumulative speculation counters of this engine: drafts (steps with a draft), draft tokens proposed,
+        accepted draft tokens and emitted tokens ({} when speculation is off)."""
+        if self.speculative == "off":
+            return {}
+        out = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
+        for metric in self.llm.get_metrics():
+            name = metric.name.removeprefix("vllm:spec_decode_num_")
+            if name in out:
+                out[name] = int(metric.value)
+        return out
 
     @property
     def weight_version(self) -> str:

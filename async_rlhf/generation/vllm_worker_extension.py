@@ -2,7 +2,8 @@
 the "broadcast" transport.
 
 vLLM builds its worker class from `worker_extension_cls` (a qualified name, because the worker may live in another
-process), importing this module in the worker before it loads the model. Importing it registers our
+process), importing this module in the worker before it loads the model. Importing it also makes speculative
+decoding exact on vLLM's CPU build (`spec_decode_cpu.py`). Importing it registers our
 weight-transfer backend (`weight_sync/vllm_shm_engine.py`) with vLLM's factories in that process, which is what
 lets `LLM(weight_transfer_config={"backend": "async_rlhf_shm"})` build it there; the "shm" transport goes through
 vLLM's native `start_weight_update` / `update_weights` / `finish_weight_update` with it.
@@ -29,7 +30,12 @@ from collections.abc import Iterator
 
 import torch
 
+from async_rlhf.generation import spec_decode_cpu
 from async_rlhf.weight_sync import vllm_shm_engine  # noqa: F401  (registers the "async_rlhf_shm" backend)
+
+# vLLM imports this module in `init_worker` right after its platform registered its kernel overrides: replace the
+# CPU build's broken expand kernel, without which speculative sampling is not exact there (spec_decode_cpu.py).
+spec_decode_cpu.install()
 
 
 class WeightSyncExtension:
