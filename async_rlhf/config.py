@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from async_rlhf.config_checks import (ConfigError, check_dir, check_elastic, check_generator_servers,  # noqa: F401
-                                     check_partial_rollouts, check_tail_migration,  # (ConfigError: re-exported)
+                                     check_partial_rollouts, check_speculative,  # (ConfigError: re-exported)
+                                     check_tail_migration,
                                      check_train_while_generating, check_types, comma_list)
 from async_rlhf.trl_fields import apply_trl_fields
 
@@ -90,6 +91,16 @@ class AsyncRLConfig(TrainingArguments):
                   "version and behaviour log-prob it was sampled with, and the staleness bound applies to the "
                   "oldest token)."},
     )
+    speculative: str = field(
+        default="off",
+        metadata={"help": "Speculative decoding in local vLLM generators (generation/speculative.py): 'off', 'ngram' "
+                  "(prompt lookup), 'suffix' (suffix trees; needs arctic-inference), 'history' (drafts from earlier "
+                  "completions of the same prompt in this run) or 'auto' (measured on the policy: the fastest, or off). "
+                  "Drafts are verified by rejection sampling: samples and behaviour log-probs stay the policy's. "
+                  "Needs weight_load 'drain'."},
+    )
+    num_speculative_tokens: int = field(
+        default=4, metadata={"help": "Draft tokens per step with speculative decoding (1-16)."})
     tail_migration: int = field(
         default=0,
         metadata={"help": "With several streaming generators: once at most this many prompt groups of a batch are "
@@ -332,6 +343,7 @@ class AsyncRLConfig(TrainingArguments):
         _require(self.generation_mode != "stream" or self.generator_backend != "transformers" or self.generator_servers,
                  "generation_mode", "'stream' needs generator_backend='vllm' (transformers samples whole batches)")
         check_generator_servers(self)
+        check_speculative(self)
         check_partial_rollouts(self)
         check_tail_migration(self)
         check_train_while_generating(self)

@@ -229,6 +229,23 @@ def check_generator_servers(config) -> None:
             raise ConfigError(f"generator_servers: {exc}") from None
 
 
+def check_speculative(config) -> None:
+    """`speculative`: a method that can run here (vLLM generators, the package it needs, a draft length in range),
+    with weights that load between requests ("in_flight" loads under speculation gave log-probs of neither version
+    on vLLM 0.32 CPU, docs/performance.md)."""
+    from async_rlhf.generation.speculative import SpeculativeError, check
+
+    try:
+        check(config.speculative, config.num_speculative_tokens, config.generator_backend,
+              bool(config.generator_servers), config.min_p or 0.0)
+    except SpeculativeError as exc:
+        raise ConfigError(str(exc)) from None
+    if config.speculative != "off" and config.weight_load != "drain":
+        raise ConfigError(f"speculative: {config.speculative!r} needs weight_load='drain' (got "
+                          f"{config.weight_load!r}): on vLLM 0.32 a sample running when weights load under speculation "
+                          "continues with log-probs of neither version; set weight_load='drain' or speculative='off'")
+
+
 def check_tail_migration(config) -> None:
     """A hand-over continues samples on another engine: local streaming vLLM generators that load weights in flight
     (each token's version is then known wherever it was sampled), at least two of them, none added or retired."""

@@ -96,6 +96,7 @@ class RolloutPipeline(PipelineRecords):
         self.busy_seconds = 0.0  # generator-side sampling time, summed (kept after close; local generators only)
         self.loaded_versions: dict[int, int] = {}  # generator id -> last acknowledged version (kept after close)
         self.restarts = 0
+        self.spec: dict[int, dict] = {}  # generator id -> its latest cumulative speculation counters (reader thread)
         self._partial: dict[int, dict[int, RolloutBatch]] = {}  # batch id -> chunk -> rollouts (reader thread)
         self._sync_failure: GeneratorFailed | None = None  # a failed publish, raised by the next batch_for_step
         self._score = score
@@ -377,6 +378,8 @@ class RolloutPipeline(PipelineRecords):
                 self.lengths.observe(prompt_id, [len(c.token_ids) for c in group])
                 self.length_counts.update(len(c.token_ids) for c in group)
             self._arrived_at[part.batch_id] = time.perf_counter()
+            if part.spec:
+                self.spec[part.generator_id] = part.spec
         if self.scoring is not None:
             self.scoring.submit(part)  # scored on its thread, which then assembles it
         else:

@@ -56,4 +56,27 @@ class PipelineRecords:
             out.update(self.scoring.stats())
         if self.arrivals is not None:
             out["learner/early_micro_batches"] = float(self.arrivals.early)
+        if self.spec:
+            out.update(speculation_metrics(self.spec))
         return out
+
+
+def speculation_metrics(spec: dict[int, dict]) -> dict[str, float]:
+    """`generator/spec_*` from each generator's cumulative counters (drafts: steps that proposed a draft; a draft's
+    accepted length is its accepted tokens; wasted: proposed and rejected), summed and per generator."""
+    out = {}
+    for key, counters in [("", _summed(spec.values()))] + [(f"_{g}", c) for g, c in sorted(spec.items())]:
+        drafts, proposed, accepted = counters["drafts"], counters["draft_tokens"], counters["accepted_tokens"]
+        out[f"generator/spec_acceptance_rate{key}"] = accepted / proposed if proposed else 0.0
+        out[f"generator/spec_mean_accepted_length{key}"] = accepted / drafts if drafts else 0.0
+        out[f"generator/spec_drafted_tokens{key}"] = float(proposed)
+        out[f"generator/spec_wasted_tokens{key}"] = float(proposed - accepted)
+    return out
+
+
+def _summed(counters) -> dict[str, int]:
+    total = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
+    for c in counters:
+        for k in total:
+            total[k] += c.get(k, 0)
+    return total

@@ -190,6 +190,9 @@ class RolloutBatch:
     # [P] [batch, index] of each group in the prompt stream, when a step's batch is gathered from groups of several
     # admitted batches (partial rollouts, `partial_rollouts.py`); empty: the groups are batch `batch_id`'s own
     origins: list[list[int]] = field(default_factory=list)
+    # the generator's cumulative speculative-decoding counters when it sent this (`VLLMBackend.spec_counters`: drafts,
+    # draft_tokens, accepted_tokens); empty: no speculation
+    spec: dict = field(default_factory=dict)
     kind = "rollouts"
 
     @property
