@@ -8,16 +8,16 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "AsyncOnlineDPOTrainer": "async_rlhf.trainers.online_dpo",
-    "AsyncOnlineDPOConfig": "async_rlhf.algorithm_configs",
-    "AsyncRLConfig": "async_rlhf.config",
+    "AsyncOnlineDPOConfig": "async_rlhf.config.algorithms",
+    "AsyncRLConfig": "async_rlhf.config.base",
     "AsyncRLOOTrainer": "async_rlhf.trainers.rloo",
-    "AsyncRLOOConfig": "async_rlhf.algorithm_configs",
+    "AsyncRLOOConfig": "async_rlhf.config.algorithms",
     "AsyncPPOTrainer": "async_rlhf.trainers.ppo",
-    "AsyncPPOConfig": "async_rlhf.algorithm_configs",
+    "AsyncPPOConfig": "async_rlhf.config.algorithms",
     "AsyncBestOfNTrainer": "async_rlhf.trainers.best_of_n",
-    "AsyncBestOfNConfig": "async_rlhf.algorithm_configs",
+    "AsyncBestOfNConfig": "async_rlhf.config.algorithms",
     "AsyncGRPOTrainer": "async_rlhf.trainers.grpo",
-    "AsyncGRPOConfig": "async_rlhf.algorithm_configs",
+    "AsyncGRPOConfig": "async_rlhf.config.algorithms",
 }
 
 

@@ -12,7 +12,7 @@ network frame) is written with `to_dict()` and read back with `from_dict()`, whi
 refuses unknown or missing keys, so bad input fails at the edge with a message naming the field. Numbers must be
 finite: NaN and +-inf are refused wherever they are read (network frames, other ranks, checkpoints). We never write
 them either: a behaviour log-prob of -inf cannot belong to a sampled token, so the pipeline fails a batch that holds
-one on rank 0, naming its generator, before it is trained, broadcast or checkpointed (`pipeline.py`).
+one on rank 0, naming its generator, before it is trained, broadcast or checkpointed (`pipeline/rollout_pipeline.py`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Callable
+from async_rlhf.errors import FieldError
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ class Completion:
     version_starts: list[list[int]] = field(default_factory=list)
     # [T'] the frozen reference model's log-prob of each token the learner packs (T' = min(T, max_length - 1)), at
     # the learner's loss temperature: filled on learner rank 0 as the part arrives (inter-stage fusion,
-    # `fused_reference.py`); empty: the learner's step computes them.
+    # `experimental/fused_reference.py`); empty: the learner's step computes them.
     ref_logprobs: list[float] = field(default_factory=list)
 
     def oldest_version(self, default: int) -> int:
@@ -183,12 +184,12 @@ class RolloutBatch:
     seconds: float  # generation wall time
     chunk: int = 0
     num_chunks: int = 1
-    # filled on learner rank 0 as each part arrives, when scoring overlaps generation (`pipeline.py`); empty: the
+    # filled on learner rank 0 as each part arrives, when scoring overlaps generation (`pipeline/rollout_pipeline.py`); empty: the
     # learner scores the batch itself. [P][n] combined reward (None: skipped), and each reward function's raw scores.
     rewards: list[list[float | None]] = field(default_factory=list)
     reward_components: dict[str, list[list[float | None]]] = field(default_factory=dict)
     # [P] [batch, index] of each group in the prompt stream, when a step's batch is gathered from groups of several
-    # admitted batches (partial rollouts, `partial_rollouts.py`); empty: the groups are batch `batch_id`'s own
+    # admitted batches (partial rollouts, `experimental/partial_rollouts.py`); empty: the groups are batch `batch_id`'s own
     origins: list[list[int]] = field(default_factory=list)
     # the generator's cumulative speculative-decoding counters when it sent this (`VLLMBackend.spec_counters`: drafts,
     # draft_tokens, accepted_tokens); empty: no speculation
@@ -335,10 +336,6 @@ class ScoredGroup:
 
 
 # ---- field checks for from_dict ----------------------------------------------------------------------------------
-class FieldError(ValueError):
-    """A serialised message is malformed; the message names the message kind and the field."""
-
-
 def check_fields(d, kind: str, required: dict[str, Callable], ignore: tuple[str, ...] = ()) -> dict:
     """`d`'s fields converted by their checks; unknown (except `ignore`) or missing keys are an error."""
     if not isinstance(d, dict):

@@ -5,7 +5,7 @@
 Both runs train the same tiny policy on the toy task (one learner process, one CPU thread; generators one thread
 each), with long completions so that the learner waits for the generators. The fixed run has one generator; the
 autoscaled one starts with one and may add one on a spare `cpu` device (`--generator_autoscale_devices cpu`) by the
-cost rule of `async_rlhf/generation/autoscale.py` with `--cost` as a generator device's price. Times are of the
+cost rule of `async_rlhf/experimental/autoscale_rule.py` with `--cost` as a generator device's price. Times are of the
 training loop (the first generator's start excluded; the added generator starts while the run goes on). Prints, per
 run, the learner's wait fraction and samples/s over the whole loop, and for the autoscaled run the same per window,
 with 1 and with 2 generators, and its decisions.

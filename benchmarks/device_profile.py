@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
-    from async_rlhf.generation.vllm_backend import VLLMBackend
+    from async_rlhf.generation.engine.vllm_backend import VLLMBackend
     from async_rlhf.plan.model_shapes import shape_from_config
 
     torch.set_num_threads(args.threads)

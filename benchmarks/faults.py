@@ -311,7 +311,7 @@ def trial(root: str, i: int, rng: random.Random, steps: int, seeds: list[int], t
     if rc == 0 and os.path.exists(summary) and json.load(open(summary))["steps"] == steps:
         row["outcome"] = "survived"  # a generator restarted, or the kill came too late
     else:
-        from async_rlhf.checkpointing import latest_complete_checkpoint
+        from async_rlhf.learner.checkpointing import latest_complete_checkpoint
 
         last = latest_complete_checkpoint(out)
         row["resumed_from"] = os.path.basename(last) if last else "start"

@@ -38,9 +38,9 @@ def main() -> None:
     args = parser.parse_args()
 
     from async_rlhf.data.tiny_model import save_tiny_model
-    from async_rlhf.generation.http_pool import HTTPGeneratorPool
+    from async_rlhf.generation.pool.http_pool import HTTPGeneratorPool
     from async_rlhf.generation.serve import READY_LINE
-    from async_rlhf.generation.vllm_backend import VLLMBackend
+    from async_rlhf.generation.engine.vllm_backend import VLLMBackend
     from async_rlhf.types import GenerationRequest, SamplingSettings
 
     settings = SamplingSettings(max_new_tokens=args.max_new_tokens, temperature=1.0, n=2, seed=11)

@@ -46,9 +46,9 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from async_rlhf.data.builtin_task import make_splits
-    from async_rlhf.data.prepare import prepare_builtin
-    from async_rlhf.generation.hf_backend import TransformersSampler
-    from async_rlhf.logprobs import (bucketed_token_logps, completion_batch, length_buckets, shared_prefix_logps,
+    from async_rlhf.tasks.build_builtin import prepare_builtin
+    from async_rlhf.generation.engine.hf_backend import TransformersSampler
+    from async_rlhf.learner.logprobs import (bucketed_token_logps, completion_batch, length_buckets, shared_prefix_logps,
                                      shared_prefix_token_logps)
     from async_rlhf.losses.dpo import dpo_loss
     from async_rlhf.types import SamplingSettings, ScoredGroup

@@ -78,7 +78,7 @@ def run_arm(arm: str, model_dir: str, rank: int, n_prompts: int, new_tokens: int
     want = expected_tokens(policy, batch[0]["prompt_token_ids"], new_tokens)
     out: dict = {"arm": arm}
     if arm == "merged":
-        from async_rlhf.generation.vllm_backend import VLLMBackend
+        from async_rlhf.generation.engine.vllm_backend import VLLMBackend
         from async_rlhf.weight_sync import ShmWeightTransport, gather_full_state
 
         backend = VLLMBackend(model_dir, dtype="float32", max_model_len=128)

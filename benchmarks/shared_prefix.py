@@ -11,7 +11,7 @@ rows (unshared), and `shared_prefix_logps` (each prompt once, its key/value cach
 prints the largest difference between the two (float tolerance) and the tokens each way runs through the model.
 Then the same completions, decoded, through the built-in reward model as the scoring thread runs it
 (`RewardScorer._model_scores` on prompt + completion text: tokenizing included, the same both ways), padded
-(`reward_shared_prefix` false) and with each prompt's common tokens run once (`reward_prefix.py`).
+(`reward_shared_prefix` false) and with each prompt's common tokens run once (`scoring/reward_prefix.py`).
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     from async_rlhf.data.builtin_task import make_splits
-    from async_rlhf.data.prepare import prepare_builtin
-    from async_rlhf.generation.hf_backend import TransformersSampler
-    from async_rlhf.logprobs import completion_batch, shared_prefix_logps, token_logps
-    from async_rlhf.scoring import RewardScorer
+    from async_rlhf.tasks.build_builtin import prepare_builtin
+    from async_rlhf.generation.engine.hf_backend import TransformersSampler
+    from async_rlhf.learner.logprobs import completion_batch, shared_prefix_logps, token_logps
+    from async_rlhf.scoring.rewards import RewardScorer
     from async_rlhf.types import SamplingSettings, ScoredGroup
 
     torch.set_num_threads(args.threads)

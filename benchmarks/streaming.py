@@ -104,7 +104,7 @@ def ideal(args, model_dir: str, window: int, bound: int | None = None) -> float:
 def _ideal(args, model_dir: str, window: int, bound: int | None) -> float:
     """`window`: groups in flight. `bound` = S: a group of batch c enters only once every group of batch c - S - 1
     has finished (the admission rule with a learner that takes no time); None: whenever a group leaves."""
-    os.environ["OMP_NUM_THREADS"] = "1"  # before torch and vLLM load, as `generation/worker.py` does
+    os.environ["OMP_NUM_THREADS"] = "1"  # before torch and vLLM load, as `generation/engine/worker.py` does
     import collections
     import dataclasses
 
@@ -112,13 +112,13 @@ def _ideal(args, model_dir: str, window: int, bound: int | None) -> float:
 
     from async_rlhf import AsyncOnlineDPOTrainer
     from async_rlhf.data.toy_task import lowercase_reward
-    from async_rlhf.generation.stream_engine import StreamEngine
-    from async_rlhf.generation.vllm_backend import VLLMBackend
-    from async_rlhf.prompt_stream import PromptStream
+    from async_rlhf.generation.engine.stream_engine import StreamEngine
+    from async_rlhf.generation.engine.vllm_backend import VLLMBackend
+    from async_rlhf.pipeline.prompt_stream import PromptStream
     from async_rlhf.types import GenerationRequest
 
     torch.set_num_threads(1)
-    torch._dynamo.config.disable = True  # as in a CPU generator process (`generation/worker.py`)
+    torch._dynamo.config.disable = True  # as in a CPU generator process (`generation/engine/worker.py`)
     # the trainer only to tokenize the prompts and build the sampling settings exactly as the runs do
     t = AsyncOnlineDPOTrainer(model=model_dir, reward_funcs=lowercase_reward,
                               args=config(args, tempfile.mkdtemp(), "stream", "drain"),

@@ -76,9 +76,9 @@ def timed_evaluation(trainer, evaluate, every: int, last_step: int, t0: float):
 
 
 def our_config(args, output_dir: str):
-    from async_rlhf.algorithm_configs import AsyncOnlineDPOConfig
-    from async_rlhf.cli import parse_args
-    from async_rlhf.tasks import ScriptArguments, task_defaults
+    from async_rlhf.config.algorithms import AsyncOnlineDPOConfig
+    from async_rlhf.config.cli import parse_args
+    from async_rlhf.tasks.setup import ScriptArguments, task_defaults
 
     argv = ["--task", "builtin", "--output_dir", output_dir, "--max_steps", str(args.steps), "--seed", str(args.seed),
             "--gold_eval_steps", "0", "--eval_prompts", str(args.eval_prompts), "--disable_tqdm", "true",
@@ -87,7 +87,7 @@ def our_config(args, output_dir: str):
 
 
 def run_ours(args, script, config) -> dict:
-    from async_rlhf.tasks import setup_task
+    from async_rlhf.tasks.setup import setup_task
     from async_rlhf.trainers.online_dpo import AsyncOnlineDPOTrainer
 
     task = setup_task(script, config)
@@ -114,8 +114,8 @@ def run_trl(args, script, config) -> dict:
     from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 
     from async_rlhf.data.prompts import tokenize_prompts
-    from async_rlhf.prompt_stream import PromptStream
-    from async_rlhf.tasks import setup_task
+    from async_rlhf.pipeline.prompt_stream import PromptStream
+    from async_rlhf.tasks.setup import setup_task
 
     threads = args.trl_threads or os.cpu_count() or 1  # synchronous: every stage may use every core
     torch.set_num_threads(threads)
@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
         runs.append({"name": "ours " + " ".join(flags) if flags else "ours", "trainer": "ours", "flags": flags})
     if len({r["name"] for r in runs}) != len(runs):
         raise SystemExit(f"--variants: the same flags twice ({args.variants})")
-    from async_rlhf.data.prepare import prepare_builtin
+    from async_rlhf.tasks.build_builtin import prepare_builtin
 
     with open(prepare_builtin(seed=0)["manifest"]) as f:
         start_win_rate = json.load(f)["sft_gold_win_rate"]

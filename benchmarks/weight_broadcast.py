@@ -118,7 +118,7 @@ def threading_drain(proc: subprocess.Popen) -> None:
 def measure_http(size: str, repeats: int, threads: int) -> dict:
     import torch
 
-    from async_rlhf.generation.http_pool import HTTPGeneratorPool
+    from async_rlhf.generation.pool.http_pool import HTTPGeneratorPool
     from async_rlhf.weight_sync import ShmWeightTransport, gather_full_state
 
     torch.set_num_threads(threads)

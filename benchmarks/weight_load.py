@@ -60,7 +60,7 @@ def load_via_reload(worker, path: str) -> None:
 
 def engine_phases(vllm, path: str, repeats: int) -> dict:
     """Median seconds of each native engine call (the `vllm` column without the header check and prefix reset)."""
-    from async_rlhf.generation.vllm_backend import LLMClient
+    from async_rlhf.generation.engine.vllm_backend import LLMClient
     from async_rlhf.weight_sync.safetensors_io import read_header
 
     client, names = LLMClient(vllm.llm), sorted(read_header(path)[0])
@@ -104,8 +104,8 @@ def measure(size: str, repeats: int) -> dict:
     import torch
     from safetensors.torch import save_file
 
-    from async_rlhf.generation.hf_backend import HFBackend
-    from async_rlhf.generation.vllm_backend import VLLMBackend
+    from async_rlhf.generation.engine.hf_backend import HFBackend
+    from async_rlhf.generation.engine.vllm_backend import VLLMBackend
     from async_rlhf.data.tiny_model import char_tokenizer, tiny_llama
     from async_rlhf.types import WeightUpdate
 

@@ -4,7 +4,7 @@
         [--sft_model_path PATH] [--num_prompts 256] [--backend auto|vllm|transformers] [--output_file results.json]
 
 Prints one table row per checkpoint and writes JSON (a list, one object per checkpoint) with `gold_win_rate`,
-`gold_reward`, `reference_gold_reward`, `kl`, `sft_perplexity` and more (see `async_rlhf/evaluation.py`, which the
+`gold_reward`, `reference_gold_reward`, `kl`, `sft_perplexity` and more (see `async_rlhf/tasks/evaluation.py`, which the
 trainers also call at `gold_eval_steps` and at the end of a run). Held-out prompts: the built-in task's test split.
 Default SFT model: the prepared built-in task's. `--backend auto` samples with vLLM on GPU and with transformers
 on CPU, where a vLLM engine's 20-50 s start-up dwarfs sampling a few hundred prompts from a tiny model.
@@ -32,7 +32,7 @@ def _backend(kind: str, model_path: str, seed: int):
         kind = "vllm" if torch.cuda.is_available() else "transformers"
     if kind == "transformers":
         return None  # evaluate_policy's in-process sampler over the loaded model
-    from async_rlhf.generation import load_backend
+    from async_rlhf.generation.engine import load_backend
 
     return load_backend("vllm", model_path, device="cuda" if torch.cuda.is_available() else "cpu", seed=seed,
                         dtype="float32")
@@ -41,13 +41,13 @@ def _backend(kind: str, model_path: str, seed: int):
 def evaluate_checkpoints(paths: list[str], sft_model_path: str | None, num_prompts: int, seed: int = 0,
                          backend: str = "auto") -> list[dict]:
     from async_rlhf.data.builtin_task import make_splits
-    from async_rlhf.evaluation import gold_evaluation
+    from async_rlhf.tasks.evaluation import gold_evaluation
 
     for path in paths:
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise SystemExit(f"--model_name_or_path: {path} is not a saved model (no config.json)")
     if sft_model_path is None:
-        from async_rlhf.data.prepare import prepare_builtin
+        from async_rlhf.tasks.build_builtin import prepare_builtin
 
         sft_model_path = prepare_builtin(seed=seed)["sft_model"]
     test = make_splits(seed, sizes={"train": 0, "validation": 0, "test": num_prompts})["test"]

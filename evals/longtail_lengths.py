@@ -48,8 +48,8 @@ def main(argv: list[str]) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from async_rlhf.data import longtail_task as lt
-    from async_rlhf.data.prepare_longtail import prepare_longtail
-    from async_rlhf.generation.hf_backend import TransformersSampler
+    from async_rlhf.tasks.build_longtail import prepare_longtail
+    from async_rlhf.generation.engine.hf_backend import TransformersSampler
     from async_rlhf.types import SamplingSettings
 
     paths = prepare_longtail()

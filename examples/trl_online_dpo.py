@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     from async_rlhf.data.builtin_task import make_splits
-    from async_rlhf.data.prepare import prepare_builtin
+    from async_rlhf.tasks.build_builtin import prepare_builtin
 
     paths = prepare_builtin()
     tokenizer = AutoTokenizer.from_pretrained(paths["tokenizer"])

@@ -9,7 +9,7 @@ The last one trains on GSM8k with the verifiable exact-match reward on the '####
 (`data/loaders.gsm8k_reward`); `--dataset_data_files train.jsonl` reads a local copy instead of the hub.
 
 Launched and configured exactly like recipes/online_dpo.py (same task flags, same asynchronous fields); GRPO's own
-fields (loss_type, scale_rewards, epsilon_high, ...) are TRL's GRPOConfig names (async_rlhf/algorithm_configs.py).
+fields (loss_type, scale_rewards, epsilon_high, ...) are TRL's GRPOConfig names (async_rlhf/config/algorithms.py).
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import sys
 if __package__ in (None, ""):  # `python recipes/grpo.py` from a checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from async_rlhf.cli import parse_args, set_process_defaults
-from async_rlhf.algorithm_configs import AsyncGRPOConfig
-from async_rlhf.peft_policy import get_peft_config
-from async_rlhf.tasks import (ScriptArguments, add_periodic_evaluation, resume_argument, save_and_evaluate,
+from async_rlhf.config.cli import parse_args, set_process_defaults
+from async_rlhf.config.algorithms import AsyncGRPOConfig
+from async_rlhf.learner.peft_policy import get_peft_config
+from async_rlhf.tasks.setup import (ScriptArguments, add_periodic_evaluation, resume_argument, save_and_evaluate,
                               setup_task, task_defaults)
 from async_rlhf.trainers.grpo import AsyncGRPOTrainer
 

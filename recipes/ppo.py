@@ -15,10 +15,10 @@ import sys
 if __package__ in (None, ""):  # `python recipes/ppo.py` from a checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from async_rlhf.cli import parse_args, set_process_defaults
-from async_rlhf.peft_policy import get_peft_config
-from async_rlhf.algorithm_configs import AsyncPPOConfig
-from async_rlhf.tasks import (ScriptArguments, add_periodic_evaluation, resume_argument, save_and_evaluate,
+from async_rlhf.config.cli import parse_args, set_process_defaults
+from async_rlhf.learner.peft_policy import get_peft_config
+from async_rlhf.config.algorithms import AsyncPPOConfig
+from async_rlhf.tasks.setup import (ScriptArguments, add_periodic_evaluation, resume_argument, save_and_evaluate,
                               setup_task, task_defaults)
 from async_rlhf.trainers.ppo import AsyncPPOTrainer
 

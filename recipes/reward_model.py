@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 if __package__ in (None, ""):  # `python recipes/reward_model.py` from a checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from async_rlhf.cli import parse_args, set_process_defaults
-from async_rlhf.data.prepare import RewardModelSettings
+from async_rlhf.config.cli import parse_args, set_process_defaults
+from async_rlhf.tasks.build_builtin import RewardModelSettings
 
 
 @dataclass
@@ -37,7 +37,7 @@ def main(argv: list[str]) -> dict:
     from accelerate import Accelerator
     from transformers import AutoTokenizer
 
-    from async_rlhf.data.prepare import prepare_builtin, train_reward_model
+    from async_rlhf.tasks.build_builtin import prepare_builtin, train_reward_model
 
     sft_path = out.sft_model_path or prepare_builtin(seed=settings.seed)["sft_model"]
     if not os.path.isfile(os.path.join(sft_path, "config.json")):

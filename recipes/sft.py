@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 if __package__ in (None, ""):  # `python recipes/sft.py` from a checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from async_rlhf.cli import parse_args, set_process_defaults
-from async_rlhf.data.prepare import SFTSettings
+from async_rlhf.config.cli import parse_args, set_process_defaults
+from async_rlhf.tasks.build_builtin import SFTSettings
 
 
 @dataclass
@@ -33,9 +33,9 @@ def main(argv: list[str]) -> dict:
     out, settings = parse_args((SFTOutput, SFTSettings), argv)
     from accelerate import Accelerator
 
-    from async_rlhf.data.prepare import train_sft
+    from async_rlhf.tasks.build_builtin import train_sft
     from async_rlhf.data.tokenizer import build_tokenizer
-    from async_rlhf.evaluation import evaluate_policy
+    from async_rlhf.tasks.evaluation import evaluate_policy
 
     accelerator = Accelerator(cpu=not __import__("torch").cuda.is_available())
     tokenizer = build_tokenizer()

@@ -26,7 +26,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _collect_unused_generators():
-    """A trainer built but never trained keeps the generators it spawned early (generation/early_start.py) until it
+    """A trainer built but never trained keeps the generators it spawned early (generation/pool/early_start.py) until it
     is garbage-collected; trainers sit in reference cycles, so collect after any test that leaves generator children,
     before the next test counts its own."""
     yield

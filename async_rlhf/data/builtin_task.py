@@ -32,7 +32,7 @@ the length limit can pass `truncated=[...]` to `gold_reward` to make that exact.
 Everything is deterministic given `seed`: each split's posts draw from `random.Random(f"{seed}-{split}")`, its
 demonstrations and references from streams of their own.
 Bump `TASK_VERSION` whenever the vocabulary, the generator or the gold reward changes: cached SFT / reward
-models (see `data/prepare.py`) are keyed by it.
+models (see `tasks/build_builtin.py`) are keyed by it.
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ import re
 
 from datasets import Dataset, load_dataset
 
-from async_rlhf.data.prompts import DatasetError, is_conversational, prompt_text
+from async_rlhf.data.prompts import is_conversational, prompt_text
+from async_rlhf.errors import DatasetError
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ item left out costs recall, every word too many costs a penalty, and only a summ
 item (EOS right after the period) gets the clean-ending bonus, so a completion cut at the token limit loses.
 
 Deterministic given `seed`, like the built-in task. Bump `TASK_VERSION` when the generator or the reward changes:
-the cached models (`data/prepare_longtail.py`) are keyed by it.
+the cached models (`tasks/build_longtail.py`) are keyed by it.
 """
 
 from __future__ import annotations

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import logging
+from async_rlhf.errors import DatasetError
 
 logger = logging.getLogger(__name__)
-
-
-class DatasetError(ValueError):
-    """The dataset cannot be trained on; the message names the column or row."""
 
 
 def check_prompt_dataset(dataset, name: str = "train_dataset") -> None:

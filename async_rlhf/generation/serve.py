@@ -47,7 +47,7 @@ import urllib.request
 TOKEN_ENV = "ASYNC_RLHF_GENERATOR_TOKEN"
 MIN_REMOTE_TOKEN_BYTES = 16
 READY_LINE = "async_rlhf generator server ready at"
-EXTENSION = "async_rlhf.generation.vllm_worker_extension.WeightSyncExtension"
+EXTENSION = "async_rlhf.generation.engine.vllm_worker_extension.WeightSyncExtension"
 MIDDLEWARE = "async_rlhf.generation.serve.BearerTokenMiddleware"
 DEFAULTS = {  # flag -> value (None: a switch), applied unless the user gave the flag (or its negation)
     "--worker-extension-cls": EXTENSION,
@@ -137,7 +137,7 @@ def _without(argv: list[str], flag: str) -> list[str]:
 def speculative_argv(argv: list[str]) -> list[str]:
     """Replace our `--speculative METHOD [--speculative_tokens K]` by vLLM's `--speculative-config JSON`. Raises
     SystemExit naming the option for a setting that cannot run."""
-    from async_rlhf.generation import speculative
+    from async_rlhf import speculative
 
     method = _value(argv, "--speculative", "off")
     tokens = _value(argv, "--speculative-tokens", "4")

@@ -3,7 +3,7 @@
 `model_shapes.py` (a model's shape from its config or size), `hardware.py` (device profiles, analytical or
 measured), `cost_model.py` (seconds per stage and bytes per device), `simulator.py` (a discrete-event simulation of
 our pipeline), `search.py` (every plan, ranked), `commands.py` (the command that runs a plan), `feedback.py` (the
-end-of-run comparison in `run_summary.py`), `cli.py` (`python -m async_rlhf.plan`). docs/planning.md.
+end-of-run comparison in `trainers/run_summary.py`), `config/cli.py` (`python -m async_rlhf.plan`). docs/planning.md.
 """
 
 

@@ -1,4 +1,4 @@
-"""`python -m async_rlhf.plan ...`: see `cli.py`."""
+"""`python -m async_rlhf.plan ...`: see `config/cli.py`."""
 
 import sys
 

@@ -7,7 +7,7 @@ transit of a request (the rollout latency, dispatch to queued, less sampling, lo
 `predict` simulates the run's configuration; `advise` simulates other `max_staleness` values and other splits of the
 same devices between learners and generators (assuming each stage's time scales inversely with its device count,
 which is only a first approximation) and names the fastest if it beats the run's prediction by `MIN_GAIN`.
-`feedback` is what `run_summary.py` calls: it returns a dict (or an empty one) and never raises.
+`feedback` is what `trainers/run_summary.py` calls: it returns a dict (or an empty one) and never raises.
 """
 
 from __future__ import annotations

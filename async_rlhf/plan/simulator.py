@@ -1,23 +1,23 @@
-"""A discrete-event simulation of our pipeline, step by step as `pipeline.py` runs it.
+"""A discrete-event simulation of our pipeline, step by step as `pipeline/rollout_pipeline.py` runs it.
 
 What it models (and where the rule lives in the code):
 - **Admission** (`pipeline._dispatch`, `StalenessQueue.admissible`): batch c is dispatched once the newest weights
   queued to the generators have version >= c - S; at the start, batches 0..S go at once.
 - **Messages** from the learner reach a generator's inbox `dispatch_seconds` after they are sent (on one machine:
   pickling and the pipe, slowed when the learner's training holds the GIL), in the order they were sent.
-- **Scoring while generating** (`scoring_stage.py`): each returned part waits for rank 0's one scoring thread, which
+- **Scoring while generating** (`scoring/stage.py`): each returned part waits for rank 0's one scoring thread, which
   takes `score_seconds` per part, parts in arrival order (0: scored in the learner's step, inside `train_seconds`).
 - **The learner**: step b starts when batch b is complete (all its parts returned and scored, plus `handoff_seconds`:
   the IPC and reassembly between the last part leaving its generator and the batch entering the queue) and
   the previous step has ended; it takes `train_seconds`, then, every `sync_every` steps, `sync_seconds` (gather and
   publish, on the learner's critical path), after which the weights are queued to every generator and admission
   is checked again.
-- **Generators** serve a FIFO inbox (`generation/serve_loops.py`): a weight update is loaded (`load_seconds`) before
+- **Generators** serve a FIFO inbox (`generation/engine/serve_loops.py`): a weight update is loaded (`load_seconds`) before
   any request queued after it. Batch-level (`mode="batch"`): one request at a time, answered when its longest
   sample ends; one contiguous chunk of equal prompt count per generator. Streaming (`mode="stream"`): one request
   per prompt group, entering the engine at once next to whatever it runs, answered when its own samples end; a
   weight update waits for the running samples to end (`weight_load="drain"`) or loads between two engine steps
-  (`"in_flight"`). Groups go to the generator with the least expected work in flight (`generation/assignment.py`).
+  (`"in_flight"`). Groups go to the generator with the least expected work in flight (`pipeline/assignment.py`).
 - **The engine**: one step advances every running sequence by one token and takes
   `overhead + max(weight_read + kv_per_seq * r, compute_per_seq * r)` seconds with r sequences running (memory-bound
   decode reads the weights once per step plus each sequence's KV cache; compute-bound past the knee); at most

@@ -4,9 +4,9 @@ The Trainer drives optimizer steps, logging, callbacks and saving; the data does
 but from the `RolloutPipeline`: the dataloader only yields one ticket per micro-batch, and `training_step`
 asks the pipeline for the rollouts of the current optimizer step. A subclass implements `compute_rollout_loss`
 (the algorithm, from `logprobs.sequence_terms` and a loss in `losses/`). This class only wires the stages, each of
-which lives in its own module: prompts (`data/prompts.py`), frozen models (`frozen_models.py`), where generators
-run (`generation/placement.py`), the pipeline (`pipeline.py`), scoring (`scoring.py`), checkpoints
-(`checkpointing.py`) and the end-of-run summary (`run_summary.py`); and it always shuts every process down.
+which lives in its own module: prompts (`data/prompts.py`), frozen models (`learner/frozen_models.py`), where generators
+run (`generation/pool/placement.py`), the pipeline (`pipeline/rollout_pipeline.py`), scoring (`scoring/rewards.py`), checkpoints
+(`learner/checkpointing.py`) and the end-of-run summary (`trainers/run_summary.py`); and it always shuts every process down.
 """
 
 from __future__ import annotations
@@ -22,24 +22,26 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForCausalLM, Trainer
 
-from async_rlhf import checkpointing, peft_policy
-from async_rlhf.config import AsyncRLConfig, ConfigError
+from async_rlhf.learner import checkpointing
+from async_rlhf.learner import peft_policy
+from async_rlhf.config.base import AsyncRLConfig
+from async_rlhf.errors import ConfigError
 from async_rlhf.data.prompts import check_prompt_dataset, completion_budgets, tokenize_prompts
-from async_rlhf.frozen_models import prepare_frozen, reference_model
-from async_rlhf.fused_reference import reference_parts
-from async_rlhf.generation.early_start import choose_backend_and_spawn
-from async_rlhf.generation.placement import (check_context_length, check_generator_devices, check_shm_space,
+from async_rlhf.learner.frozen_models import prepare_frozen, reference_model
+from async_rlhf.experimental.fused_reference import reference_parts
+from async_rlhf.generation.pool.early_start import choose_backend_and_spawn
+from async_rlhf.generation.pool.placement import (check_context_length, check_generator_devices, check_shm_space,
                                              engine_kwargs,
                                              initial_model_dir)
-from async_rlhf.generation.pool_protocol import GeneratorFailed
-from async_rlhf.pipeline import RolloutPipeline
-from async_rlhf.prompt_stream import total_steps
-from async_rlhf.run_summary import build_summary, format_summary
-from async_rlhf.scoring import RewardScorer, score_parts, score_rows
-from async_rlhf.staleness_queue import StageTimeout
-from async_rlhf.startup import StartupTimeline
+from async_rlhf.errors import GeneratorFailed
+from async_rlhf.pipeline.rollout_pipeline import RolloutPipeline
+from async_rlhf.pipeline.prompt_stream import total_steps
+from async_rlhf.trainers.run_summary import build_summary, format_summary
+from async_rlhf.scoring.rewards import RewardScorer, score_parts, score_rows
+from async_rlhf.errors import StageTimeout
+from async_rlhf.trainers.startup import StartupTimeline
 from async_rlhf.trainers.hooks import PipelineHooks, StepTickets, disable_dropout
-from async_rlhf.trainers.nonfinite import NonFiniteGuard, NonFiniteSteps
+from async_rlhf.learner.nonfinite import NonFiniteGuard, NonFiniteSteps
 from async_rlhf.trainers.trl_compat import check_trl_arguments, set_trl_attributes, tokenizer_for
 from async_rlhf.types import RolloutBatch, SamplingSettings, ScoredGroup
 
@@ -53,13 +55,13 @@ class AsyncTrainerBase(Trainer):
                  eval_dataset=None, processing_class=None, reward_processing_classes=None, peft_config=None,
                  compute_metrics=None, callbacks=None, optimizers=(None, None), preprocess_logits_for_metrics=None):
         # ---- everything that can be checked before a model loads -------------------------------------------
-        self.timeline = StartupTimeline()  # see startup.py
+        self.timeline = StartupTimeline()  # see trainers/startup.py
         self.timeline.mark("trainer_entered")
         if args is None:
             args = self.config_class(output_dir=os.path.join(tempfile.gettempdir(), "async_rlhf-output"))
         if not isinstance(args, self.config_class):
             raise ConfigError(f"args: expected {self.config_class.__name__}, got {type(args).__name__}")
-        peft_policy.check_peft_config(peft_config, model)  # LoRA: see peft_policy.py
+        peft_policy.check_peft_config(peft_config, model)  # LoRA: see learner/peft_policy.py
         check_prompt_dataset(train_dataset)
         reward_funcs = reward_funcs if reward_funcs is not None else args.reward_model_path
         if reward_funcs is None:
@@ -84,7 +86,7 @@ class AsyncTrainerBase(Trainer):
             check_context_length(args, model_config)
 
         # ---- the generator backend, then the generators, which start while the prompts are tokenized and the
-        # models load (generation/early_start.py) -----------------------------------------------------------------
+        # models load (generation/pool/early_start.py) -----------------------------------------------------------------
         init_kwargs = args.model_init_kwargs or {}
         self._early_pool = None if model_config is None else choose_backend_and_spawn(
             args, model, model_config, init_kwargs, train_dataset, processing_class)
@@ -150,7 +152,7 @@ class AsyncTrainerBase(Trainer):
         self._loop_seconds = 0.0
         self._last_metrics: dict[str, float] = {}
         self.extra_logs: dict[str, float] = {}  # merged into the next log (e.g. periodic gold evaluation, rank 0)
-        self.nonfinite = NonFiniteGuard(args.max_nonfinite_steps, self.accelerator)  # see trainers/nonfinite.py
+        self.nonfinite = NonFiniteGuard(args.max_nonfinite_steps, self.accelerator)  # see learner/nonfinite.py
         self.timeline.mark("trainer_built")
 
     # ---- data: tickets in, pipeline batches out ----------------------------------------------------------
@@ -185,7 +187,7 @@ class AsyncTrainerBase(Trainer):
         return self.args.temperature
 
     def fuses_reference(self) -> bool:
-        """Rank 0's scoring thread computes the reference log-probs (`fused_reference.py`): fused scoring, a frozen
+        """Rank 0's scoring thread computes the reference log-probs (`experimental/fused_reference.py`): fused scoring, a frozen
         reference model (not a LoRA policy's adapters-off self), no DeepSpeed."""
         a = self.args
         return a.score_while_generating and a.reference_while_generating and not self.is_deepspeed_enabled and (
@@ -325,7 +327,7 @@ class AsyncTrainerBase(Trainer):
         return output
 
     def _fused_scoring(self):
-        """Rank 0's stages for each arriving part (`scoring_stage.py`): rewards, reference; None: off / DeepSpeed."""
+        """Rank 0's stages for each arriving part (`scoring/stage.py`): rewards, reference; None: off / DeepSpeed."""
         if not self.args.score_while_generating or self.is_deepspeed_enabled:
             return None
         stages = [("reward", lambda parts: score_parts(parts, self.scorer, self.processing_class,
@@ -340,7 +342,7 @@ class AsyncTrainerBase(Trainer):
     def _on_signal(self, signum, frame):
         """First SIGTERM/SIGINT: finish the current step, checkpoint, stop. Second: stop now.
 
-        Ctrl-C reaches the whole process group, generators included: they ignore it (`generation/worker.py`), and the
+        Ctrl-C reaches the whole process group, generators included: they ignore it (`generation/engine/worker.py`), and the
         pool is told the run is stopping, so a generator that dies from now on is not restarted (no engine start on
         the way out; the step fails with the usual checkpoint if it still needed that generator)."""
         if self._stop_signal:

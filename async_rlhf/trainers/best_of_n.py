@@ -7,11 +7,11 @@ import math
 
 import torch
 
-from async_rlhf.algorithm_configs import AsyncBestOfNConfig
-from async_rlhf.logprobs import sequence_terms
+from async_rlhf.config.algorithms import AsyncBestOfNConfig
+from async_rlhf.learner.logprobs import sequence_terms
 from async_rlhf.losses.off_policy import log_ratio_stats
 from async_rlhf.losses.sft import best_of_n_nll
-from async_rlhf.scoring import best_and_worst
+from async_rlhf.scoring.rewards import best_and_worst
 from async_rlhf.trainers.base import AsyncTrainerBase
 
 

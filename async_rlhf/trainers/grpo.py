@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from async_rlhf.algorithm_configs import AsyncGRPOConfig
-from async_rlhf.logprobs import sequence_terms
+from async_rlhf.config.algorithms import AsyncGRPOConfig
+from async_rlhf.learner.logprobs import sequence_terms
 from async_rlhf.losses.grpo import grpo_advantages, grpo_loss
 from async_rlhf.trainers.base import AsyncTrainerBase
 from async_rlhf.trainers.policy_gradient import common_metrics, policy_terms, ratio_denominator

@@ -12,11 +12,11 @@ import math
 
 import torch
 
-from async_rlhf.algorithm_configs import AsyncOnlineDPOConfig
-from async_rlhf.logprobs import sequence_terms
+from async_rlhf.config.algorithms import AsyncOnlineDPOConfig
+from async_rlhf.learner.logprobs import sequence_terms
 from async_rlhf.losses.dpo import dpo_loss
 from async_rlhf.losses.off_policy import log_ratio_stats
-from async_rlhf.scoring import best_and_worst
+from async_rlhf.scoring.rewards import best_and_worst
 from async_rlhf.trainers.base import AsyncTrainerBase
 from async_rlhf.types import ScoredGroup
 

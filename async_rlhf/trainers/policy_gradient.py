@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from async_rlhf.logprobs import SequenceTerms
+from async_rlhf.learner.logprobs import SequenceTerms
 from async_rlhf.losses.off_policy import log_ratio_stats
 from async_rlhf.types import ScoredGroup
 

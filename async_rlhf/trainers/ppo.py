@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from async_rlhf.algorithm_configs import AsyncPPOConfig
-from async_rlhf.logprobs import sequence_terms
-from async_rlhf.peft_policy import base_state_dict
+from async_rlhf.config.algorithms import AsyncPPOConfig
+from async_rlhf.learner.logprobs import sequence_terms
+from async_rlhf.learner.peft_policy import base_state_dict
 from async_rlhf.losses.ppo import gae_advantages, ppo_policy_loss, ppo_value_loss, whiten
 from async_rlhf.trainers.base import AsyncTrainerBase
 from async_rlhf.trainers.policy_gradient import common_metrics, policy_terms, ratio_denominator

@@ -4,8 +4,8 @@ update against the behaviour (or proximal) log-probs. Constructor and config nam
 
 from __future__ import annotations
 
-from async_rlhf.algorithm_configs import AsyncRLOOConfig
-from async_rlhf.logprobs import sequence_terms
+from async_rlhf.config.algorithms import AsyncRLOOConfig
+from async_rlhf.learner.logprobs import sequence_terms
 from async_rlhf.losses.ppo import whiten
 from async_rlhf.losses.rloo import kl_shaped_rewards, rloo_advantages, rloo_loss
 from async_rlhf.trainers.base import AsyncTrainerBase

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase, ProcessorMixin
 
-from async_rlhf.config import ConfigError
+from async_rlhf.errors import ConfigError
 
 
 def check_trl_arguments(model, ref_model, reward_funcs, args, reward_processing_classes) -> None:

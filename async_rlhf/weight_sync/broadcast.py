@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from async_rlhf.types import WeightUpdate
-from async_rlhf.weight_sync.transport import WeightTransportError
+from async_rlhf.errors import WeightTransportError
 
 logger = logging.getLogger(__name__)
 

@@ -5,8 +5,8 @@ each published version (`gather_full_state(..., device=<its GPU>)`: taken before
 generator never sees half-updated live parameters) and sends, per tensor, the CUDA IPC handle that
 `torch.multiprocessing.reductions.reduce_tensor` makes, keyed by the GPU's UUID. That is the wire format of vLLM
 0.32's own `ipc` weight-transfer engine (`IPCWeightTransferUpdateInfo`: `names`, `dtype_names`, `shapes`,
-`ipc_handles`, unpacked), so a vLLM generator loads it with `LLM.update_weights` (`generation/vllm_backend.py`) and
-the transformers backend rebuilds the same handles (`generation/hf_backend.py`). A receiver in a process with other
+`ipc_handles`, unpacked), so a vLLM generator loads it with `LLM.update_weights` (`generation/engine/vllm_backend.py`) and
+the transformers backend rebuilds the same handles (`generation/engine/hf_backend.py`). A receiver in a process with other
 visible devices replaces the handle's device index with its own for that UUID, as vLLM's engine does.
 
 We build the handles ourselves rather than through vLLM's `IPCTrainerWeightTransferEngine`: that engine all-gathers
@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from async_rlhf.types import WeightUpdate
-from async_rlhf.weight_sync.transport import WeightTransportError
+from async_rlhf.errors import WeightTransportError
 
 
 def gpu_uuid(device_index: int) -> str:

@@ -1,7 +1,7 @@
 """Directories a run keeps in RAM (`shm_dir`, /dev/shm by default), and removing the ones a killed run left behind.
 
 Two kinds: the weight transport's `async_rlhf-weights-*` (one file per policy version, `shm.py`) and the generators'
-starting copy of the policy, `async_rlhf-init-*` (`generation/placement.py`). Both are `OwnedDir`s.
+starting copy of the policy, `async_rlhf-init-*` (`generation/pool/placement.py`). Both are `OwnedDir`s.
 
 Ownership is a lock, not a pid. Each directory holds a lock file (`owner.lock`) that its owner keeps open with an
 exclusive `flock` for as long as it uses the directory. The kernel drops the lock when the owner exits in any way,

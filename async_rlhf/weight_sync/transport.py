@@ -19,10 +19,7 @@ from typing import Protocol
 import torch
 
 from async_rlhf.types import WeightUpdate
-
-
-class WeightTransportError(RuntimeError):
-    """A transport could not deliver a version (besides `OSError`s such as a full `shm_dir`); names the stage."""
+from async_rlhf.errors import WeightTransportError
 
 
 class WeightTransport(Protocol):

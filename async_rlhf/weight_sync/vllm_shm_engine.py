@@ -10,7 +10,7 @@ trainer-side engine as a GPU deployment. It moves no tensors itself: the learner
 
 Two halves, as in vLLM's `nccl_engine.py`:
 - worker side, `ShmWeightTransferEngine`, registered with `WeightTransferEngineFactory` when the worker imports
-  our extension module (`generation/vllm_worker_extension.py`, named by `worker_extension_cls`), which happens
+  our extension module (`generation/engine/vllm_worker_extension.py`, named by `worker_extension_cls`), which happens
   before the worker builds the engine. Start, receive and finish are vLLM's layerwise reload, exactly as in its
   NCCL and IPC engines: `initialize_layerwise_reload`, `model.load_weights(views)`, `finalize_layerwise_reload`.
 - trainer side, `ShmTrainerWeightTransferEngine`, registered with `WeightTransferTrainerFactory`.

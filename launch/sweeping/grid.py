@@ -227,7 +227,7 @@ def _estimate_spec(path: str, value, algorithms: list[str]) -> dict:
 def _check_flag_ownership(grid: Grid) -> None:
     """Flags the sweep sets itself, or that would contradict the knob, may not be given by hand."""
     owned = set(OWNED_FLAGS) | set(KNOBS)
-    if grid.knob == "num_mini_batches":  # N sets both; an explicit value would conflict (config.py rejects it)
+    if grid.knob == "num_mini_batches":  # N sets both; an explicit value would conflict (config/base.py rejects it)
         owned |= {"sync_every"}
     for where, flags in [("flags", grid.flags)] + [(f"algorithms.{a.name}.flags", a.flags) for a in grid.algorithms]:
         for key in flags:

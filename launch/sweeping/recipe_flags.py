@@ -4,8 +4,8 @@ Guarantees:
 - `SWEEP_RECIPES` names every recipe under recipes/ whose config class is an `AsyncRLConfig` (the ones with the
   off-policy knobs); tests/unit/test_sweep_grid.py checks it against recipes/, so a new recipe that is not added
   here fails a test instead of a sweep;
-- `recipe_options` answers without importing a recipe or vLLM: the classes come from async_rlhf.config and
-  async_rlhf.tasks, which import transformers (and torch) but nothing else heavy;
+- `recipe_options` answers without importing a recipe or vLLM: the classes come from async_rlhf.config.base and
+  async_rlhf.tasks.setup, which import transformers (and torch) but nothing else heavy;
 - a script outside recipes/ (a grid may name any path) has no entry: its flag names are not checked here, and the
   script itself rejects unknown flags when its run starts.
 The table replaces importing every recipe in a subprocess to scrape its module globals, which tied the sweep to
@@ -17,9 +17,9 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from async_rlhf.algorithm_configs import (AsyncBestOfNConfig, AsyncGRPOConfig, AsyncOnlineDPOConfig, AsyncPPOConfig,
+from async_rlhf.config.algorithms import (AsyncBestOfNConfig, AsyncGRPOConfig, AsyncOnlineDPOConfig, AsyncPPOConfig,
                                           AsyncRLOOConfig)
-from async_rlhf.tasks import ScriptArguments
+from async_rlhf.tasks.setup import ScriptArguments
 
 from launch.sweeping import ROOT
 
@@ -61,6 +61,6 @@ def recipe_options(recipe_path: str) -> dict | None:
 
 
 def task_defaults() -> dict:
-    """{flag: default} of the task flags every RL recipe takes (async_rlhf.tasks.ScriptArguments): what the sweep
+    """{flag: default} of the task flags every RL recipe takes (async_rlhf.tasks.setup.ScriptArguments): what the sweep
     assumes about a script outside recipes/ to know whether its runs write eval_results.json."""
     return _defaults(ScriptArguments)

@@ -49,7 +49,7 @@ def expand(grid: Grid) -> list[Run]:
     runs = []
     axis_names = list(grid.axes)
     for a in grid.algorithms:
-        # a script outside recipes/ is assumed to take the task flags every recipe takes (async_rlhf.tasks)
+        # a script outside recipes/ is assumed to take the task flags every recipe takes (async_rlhf.tasks.setup)
         defaults = grid.recipe_options.get(a.recipe) or task_defaults()
         for value in grid.knob_values:
             for combo in itertools.product(*(grid.axes[k] for k in axis_names)):
@@ -68,7 +68,7 @@ def expand(grid: Grid) -> list[Run]:
 
 
 def _expects_eval(flags: dict, defaults: dict) -> bool:
-    """async_rlhf/tasks.py: only the built-in task evaluates (eval_results.json), and only with eval_prompts > 0."""
+    """async_rlhf/tasks/setup.py: only the built-in task evaluates (eval_results.json), and only with eval_prompts > 0."""
     if "task" not in defaults:
         return False
     return flags.get("task", defaults["task"]) == "builtin" and (flags.get("eval_prompts", defaults.get("eval_prompts"))

@@ -119,7 +119,7 @@ def test_vllm_config_validation(impl, tmp_path):
 
 def test_generation_config_setup(impl, zen_prompts, models, tmp_path):
     """TRL's case, less one value: with generation_kwargs={"do_sample": False} TRL keeps temperature 0.8 in a config
-    that no longer samples; ours sets temperature 0 (greedy; trl_fields.py)."""
+    that no longer samples; ours sets temperature 0 (greedy; config/trl_fields.py)."""
     args = impl.OnlineDPOConfig(**CPU, output_dir=str(tmp_path), use_vllm=False, temperature=0.8, top_p=0.9, top_k=40,
                                 repetition_penalty=1.2, max_new_tokens=64, generation_kwargs={"do_sample": False},
                                 report_to="none")
@@ -220,7 +220,7 @@ def test_missing_processing_class(impl, zen_prompts, models, tmp_path):
 
 def test_every_trl_config_field_is_accepted(tmp_path, caplog):
     """Every field of TRL's OnlineDPOConfig is a field of ours; setting each to a non-default value is accepted, and
-    those that cannot apply here are named in one warning (trl_fields.py)."""
+    those that cannot apply here are named in one warning (config/trl_fields.py)."""
     import dataclasses
 
     from trl.experimental.online_dpo import OnlineDPOConfig
@@ -229,12 +229,12 @@ def test_every_trl_config_field_is_accepted(tmp_path, caplog):
 
     ours = {f.name for f in dataclasses.fields(AsyncOnlineDPOConfig)}
     assert not {f.name for f in dataclasses.fields(OnlineDPOConfig)} - ours
-    with caplog.at_level(logging.WARNING, logger="async_rlhf.trl_fields"):
+    with caplog.at_level(logging.WARNING, logger="async_rlhf.config.trl_fields"):
         AsyncOnlineDPOConfig(output_dir=str(tmp_path), min_p=0.1, repetition_penalty=1.1, cache_implementation="static",
                              vllm_structured_outputs_regex="[a-z]+", vllm_enable_sleep_mode=True, vllm_group_port=5000,
                              vllm_server_timeout=10.0, vllm_model_impl="transformers", ds3_gather_for_generation=False,
                              trust_remote_code=True, generation_kwargs={"num_beams": 2, "top_k": 7})
-    lines = [r.getMessage() for r in caplog.records if r.name == "async_rlhf.trl_fields"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "async_rlhf.config.trl_fields"]
     assert len(lines) == 1, lines
     for name in ("cache_implementation", "vllm_structured_outputs_regex",
                  "vllm_enable_sleep_mode", "vllm_group_port", "vllm_server_timeout", "vllm_model_impl",

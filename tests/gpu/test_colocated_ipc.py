@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def _generator(model_dir: str, inbox, outbox) -> None:
-    from async_rlhf.generation.hf_backend import HFBackend
+    from async_rlhf.generation.engine.hf_backend import HFBackend
 
     backend = HFBackend(model_dir, device="cuda:0")
     update = inbox.get(timeout=120)

@@ -1,6 +1,6 @@
 """The broadcast weight transport over NCCL: the code of tests/integration/test_weight_broadcast.py with the other
 backend, learner rank 0 on cuda:0 and a generator process on cuda:1 (NCCL needs one GPU per member). Needs 2 GPUs:
-`pytest -m gpu`. (Remote vLLM servers no longer use this transport: see generation/http_pool.py.)"""
+`pytest -m gpu`. (Remote vLLM servers no longer use this transport: see generation/pool/http_pool.py.)"""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def _generator(model_dir: str, info: dict, update: dict, out: str) -> None:
     torch.cuda.set_device(1)
     from safetensors.torch import save_file
 
-    from async_rlhf.generation.hf_backend import HFBackend
+    from async_rlhf.generation.engine.hf_backend import HFBackend
 
     backend = HFBackend(model_dir, device="cuda:1")
     backend.join_weight_group(GroupInfo.from_dict(info))

@@ -138,7 +138,7 @@ def load_into_vllm(update_path: str, model_dir: str, out_file: str) -> None:
     import torch
     from safetensors import safe_open
 
-    from async_rlhf.generation.vllm_backend import VLLMBackend
+    from async_rlhf.generation.engine.vllm_backend import VLLMBackend
     from async_rlhf.types import WeightUpdate
 
     backend = VLLMBackend(model_dir, device="cpu", dtype="float32", max_model_len=64, seed=0)

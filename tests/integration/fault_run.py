@@ -38,7 +38,8 @@ def main() -> None:
 
     from transformers import Trainer, TrainerCallback
 
-    from async_rlhf import AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer, checkpointing
+    from async_rlhf import AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer
+    from async_rlhf.learner import checkpointing
     from async_rlhf.data.tiny_model import save_tiny_model
     from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
 

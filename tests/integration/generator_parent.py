@@ -16,7 +16,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from async_rlhf.generation.worker import GeneratorSpec, generator_main  # noqa: E402
+from async_rlhf.generation.engine.worker import GeneratorSpec, generator_main  # noqa: E402
 from async_rlhf.types import GenerationRequest, SamplingSettings  # noqa: E402
 
 BIG_PROMPT_IDS = 250_000  # echoed back in the rollout: about 1.2 MiB pickled, far over a pipe's 64 KiB

@@ -1,9 +1,9 @@
-"""Elastic generators during a real run (`generator_autoscale`, `generation/elastic.py`): a generator joins while the
+"""Elastic generators during a real run (`generator_autoscale`, `experimental/elastic.py`): a generator joins while the
 learner waits on long completions and is retired when completions turn short, with real generator processes (the
 default launcher) or Ray actors (`generator_launcher='ray'`, slow tier, local Ray on this machine).
 
 The workload changes half-way by construction: each prompt's completion budget (`max_new_tokens` column) is set by
-the step that trains it (steps are a pure function of (seed, step), `prompt_stream.py`), long for the first steps,
+the step that trains it (steps are a pure function of (seed, step), `pipeline/prompt_stream.py`), long for the first steps,
 one token after. Everything is checked from the run's own records: `trained_batches.jsonl` (every step trained once,
 on exactly its prompts, within the staleness bound, each sample's versions included), `autoscale.jsonl` (the
 decisions) and the summary's count of what each generator answered and the oldest version it answered with.
@@ -19,7 +19,7 @@ from datasets import Dataset
 
 from async_rlhf import AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer
 from async_rlhf.data.toy_task import lowercase_reward
-from async_rlhf.prompt_stream import PromptStream
+from async_rlhf.pipeline.prompt_stream import PromptStream
 from run_records import check_staleness_records
 
 # long steps take ~0.45 s here: 100 of them outlast a generator's start (5 s idle, 20-30 s at load 5 on 2 cores)
@@ -90,7 +90,7 @@ def test_generator_joins_when_learner_waits_and_retires_when_idle(tmp_path, tiny
 
 @pytest.mark.slow
 def test_ray_actor_generators_join_and_retire(tmp_path, tiny_model_dir):
-    from async_rlhf.generation.ray_launcher import INSTALL_HINT, ray_installed
+    from async_rlhf.config.checks import RAY_INSTALL_HINT as INSTALL_HINT, ray_installed
 
     if not ray_installed():
         pytest.skip(f"Ray is not installed (an optional extra: {INSTALL_HINT})")

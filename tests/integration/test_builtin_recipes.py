@@ -13,9 +13,10 @@ sys.path.insert(0, ROOT)
 import reward_model as reward_model_recipe  # noqa: E402
 import sft as sft_recipe  # noqa: E402
 
-from async_rlhf.data import builtin_task, prepare  # noqa: E402
+from async_rlhf.data import builtin_task
+from async_rlhf.tasks import build_builtin as prepare
 from async_rlhf.data.tokenizer import build_tokenizer  # noqa: E402
-from async_rlhf.evaluation import evaluate_policy  # noqa: E402
+from async_rlhf.tasks.evaluation import evaluate_policy  # noqa: E402
 from async_rlhf.data.tiny_model import tiny_llama  # noqa: E402
 
 

@@ -15,8 +15,8 @@ import time
 import pytest
 
 from async_rlhf.data.tiny_model import char_tokenizer, tiny_llama
-from async_rlhf.generation.pool import GeneratorPool
-from async_rlhf.generation.worker import GeneratorSpec
+from async_rlhf.generation.pool.local import GeneratorPool
+from async_rlhf.generation.engine.worker import GeneratorSpec
 from async_rlhf.types import GenerationRequest, SamplingSettings
 from async_rlhf.weight_sync import ShmWeightTransport
 
@@ -35,7 +35,8 @@ def _request(batch_id: int) -> GenerationRequest:
 def _launcher(kind: str):
     if kind == "process":
         return None
-    from async_rlhf.generation.ray_launcher import INSTALL_HINT, RayLauncher, ray_installed
+    from async_rlhf.config.checks import RAY_INSTALL_HINT as INSTALL_HINT, ray_installed
+    from async_rlhf.generation.pool.ray_launcher import RayLauncher
 
     if not ray_installed():
         pytest.skip(f"Ray is not installed (an optional extra: {INSTALL_HINT})")

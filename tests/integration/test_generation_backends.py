@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from async_rlhf.generation import load_backend
-from async_rlhf.generation.hf_backend import HFBackend
+from async_rlhf.generation.engine import load_backend
+from async_rlhf.generation.engine.hf_backend import HFBackend
 from async_rlhf.data.tiny_model import char_tokenizer, save_tiny_model, tiny_llama
 from async_rlhf.types import Completion, SamplingSettings, WeightUpdate
 
@@ -33,7 +33,7 @@ def vllm_backend(tiny_model_dir):
     pytest.importorskip("vllm")
     from vllm.platforms import current_platform
 
-    from async_rlhf.generation.vllm_backend import VLLMBackend
+    from async_rlhf.generation.engine.vllm_backend import VLLMBackend
 
     device = "cpu" if current_platform.is_cpu() else "cuda"
     backend = VLLMBackend(tiny_model_dir, device=device, dtype="float32", seed=0, kv_cache_memory_bytes=64 << 20)
@@ -280,7 +280,7 @@ def test_vllm_rejects_unsupported_cpu_head_size(tmp_path):
     pytest.importorskip("vllm")
     from vllm.platforms import current_platform
 
-    from async_rlhf.generation.vllm_backend import VLLMBackend
+    from async_rlhf.generation.engine.vllm_backend import VLLMBackend
 
     if not current_platform.is_cpu():
         pytest.skip("CPU attention limit")

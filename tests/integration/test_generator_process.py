@@ -117,8 +117,8 @@ def test_a_generator_killed_holding_its_outbox_lock_is_replaced_by_one_that_deli
     import multiprocessing as mp
     import queue as queue_module
 
-    from async_rlhf.generation.pool import GeneratorPool
-    from async_rlhf.generation.worker import GeneratorSpec
+    from async_rlhf.generation.pool.local import GeneratorPool
+    from async_rlhf.generation.engine.worker import GeneratorSpec
 
     spec = GeneratorSpec(generator_id=0, backend="transformers", model_path=tiny_model_dir, device="cpu", seed=0,
                          threads=1, log_path=str(tmp_path / "generator-0.log"))

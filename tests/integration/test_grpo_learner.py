@@ -12,8 +12,8 @@ import torch
 
 from async_rlhf import AsyncGRPOConfig, AsyncGRPOTrainer
 from async_rlhf.data.loaders import GSM8K, gsm8k_reward, load_prompt_dataset
-from async_rlhf.logprobs import completion_batch, token_logps
-from async_rlhf.scoring import score_rows
+from async_rlhf.learner.logprobs import completion_batch, token_logps
+from async_rlhf.scoring.rewards import score_rows
 from async_rlhf.types import Completion, RolloutBatch
 from run_records import check_staleness_records
 

@@ -22,9 +22,10 @@ from safetensors.torch import load_file
 from transformers import TrainerCallback
 
 from async_rlhf import AsyncOnlineDPOTrainer
-from async_rlhf.checkpointing import COMPLETE_MARKER, CheckpointError, latest_complete_checkpoint, load_pipeline_state
-from async_rlhf.generation.pool_protocol import GeneratorFailed
-from async_rlhf.prompt_stream import PromptStream
+from async_rlhf.learner.checkpointing import COMPLETE_MARKER, latest_complete_checkpoint, load_pipeline_state
+from async_rlhf.errors import CheckpointError
+from async_rlhf.errors import GeneratorFailed
+from async_rlhf.pipeline.prompt_stream import PromptStream
 from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
 from session_run import ROOT, own_port, start_logged, wait_for
 FAULT_RUN = os.path.join(ROOT, "tests/integration/fault_run.py")

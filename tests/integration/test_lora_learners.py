@@ -79,7 +79,7 @@ def test_lora_trains_only_adapters_and_generators_get_the_merged_policy(algorith
 
     # after training: the weights a sync sends, loaded by the generators' transformers backend, give the learner's
     # logits on fixed prompts
-    from async_rlhf.generation.hf_backend import HFBackend
+    from async_rlhf.generation.engine.hf_backend import HFBackend
 
     transport = ShmWeightTransport(str(tmp_path))
     backend = HFBackend(tiny_model_dir)

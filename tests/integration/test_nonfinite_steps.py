@@ -11,9 +11,9 @@ import torch
 from transformers import TrainerCallback
 
 from async_rlhf import AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer
-from async_rlhf.checkpointing import latest_complete_checkpoint
+from async_rlhf.learner.checkpointing import latest_complete_checkpoint
 from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
-from async_rlhf.trainers.nonfinite import NonFiniteSteps
+from async_rlhf.learner.nonfinite import NonFiniteSteps
 
 
 class NaNLossTrainer(AsyncOnlineDPOTrainer):

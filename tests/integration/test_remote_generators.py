@@ -25,7 +25,7 @@ import pytest
 from async_rlhf import AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer
 from async_rlhf.data.tiny_model import save_tiny_model
 from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
-from async_rlhf.generation.pool_protocol import GeneratorFailed
+from async_rlhf.errors import GeneratorFailed
 from async_rlhf.generation.serve import READY_LINE, TOKEN_ENV
 from run_records import check_staleness_records
 from session_run import stop_group
@@ -149,7 +149,7 @@ def test_weights_load_under_a_running_request_only_in_flight(server, tmp_path, w
     server loads at once (pause with keep, load, resume): each sample's first tokens carry version 0 and its later
     ones version 1, and the rollout's policy_version is its oldest token's, 0. "drain": the load waits for the
     request (acknowledged after the rollout), every token is version 0."""
-    from async_rlhf.generation.http_pool import HTTPGeneratorPool
+    from async_rlhf.generation.pool.http_pool import HTTPGeneratorPool
     from async_rlhf.types import GenerationRequest, SamplingSettings
     from async_rlhf.weight_sync import ShmWeightTransport
     from async_rlhf.weight_sync.safetensors_io import state_from_model_dir

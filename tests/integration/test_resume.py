@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from async_rlhf import AsyncOnlineDPOTrainer
-from async_rlhf.checkpointing import COMPLETE_MARKER, CheckpointError, latest_complete_checkpoint
-from async_rlhf.prompt_stream import PromptStream
+from async_rlhf.learner.checkpointing import COMPLETE_MARKER, latest_complete_checkpoint
+from async_rlhf.errors import CheckpointError
+from async_rlhf.pipeline.prompt_stream import PromptStream
 from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
 from stop_at import StopAt
 

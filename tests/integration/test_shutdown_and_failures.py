@@ -13,10 +13,10 @@ import pytest
 from transformers import TrainerCallback
 
 from async_rlhf import AsyncOnlineDPOTrainer
-from async_rlhf.checkpointing import latest_complete_checkpoint
-from async_rlhf.generation.pool_protocol import GeneratorFailed
-from async_rlhf.scoring import RewardError
-from async_rlhf.staleness_queue import StageTimeout
+from async_rlhf.learner.checkpointing import latest_complete_checkpoint
+from async_rlhf.errors import GeneratorFailed
+from async_rlhf.errors import RewardError
+from async_rlhf.errors import StageTimeout
 from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
 from run_records import check_staleness_records
 from session_run import ROOT, log_tail, start_logged, wait_for

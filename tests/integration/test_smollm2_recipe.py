@@ -20,7 +20,7 @@ pytestmark = [
 
 
 def test_smollm2_config_trains_the_real_model_and_evaluates_it(tmp_path):
-    from async_rlhf.data.smollm2 import prepare_smollm2
+    from async_rlhf.tasks.smollm2 import prepare_smollm2
 
     out = tmp_path / "run"
     run_in_own_session([sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1",

@@ -54,7 +54,7 @@ def policy(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(policy):
-    from async_rlhf.generation.vllm_backend import VLLMBackend
+    from async_rlhf.generation.engine.vllm_backend import VLLMBackend
 
     backend = VLLMBackend(policy[0], dtype="float32", kv_cache_memory_bytes=64 << 20, speculative="ngram",
                           num_speculative_tokens=4)
@@ -172,7 +172,7 @@ def test_a_weight_load_between_speculative_requests(engine, policy, tmp_path):
     version's, log-probs included (last test here: it leaves the engine on the new weights). ("in_flight" with
     speculation is refused by the config: on vLLM 0.32 CPU a sample running when weights land continues with
     log-probs of neither version, see docs/performance.md, speculative rollouts.)"""
-    from async_rlhf.generation.stream_engine import StreamEngine
+    from async_rlhf.generation.engine.stream_engine import StreamEngine
     from async_rlhf.weight_sync import ShmWeightTransport
 
     new = _peaked_model(seed=1)

@@ -1,5 +1,5 @@
-"""Start-up: generators spawned while the trainer is built (generation/early_start.py) and used by `train()`, the
-start-up timeline (startup.py), and the backend probe timing real generator processes (generation/backend_probe.py).
+"""Start-up: generators spawned while the trainer is built (generation/pool/early_start.py) and used by `train()`, the
+start-up timeline (trainers/startup.py), and the backend probe timing real generator processes (generation/pool/backend_probe.py).
 """
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ import pytest
 from datasets import Dataset
 
 from async_rlhf import AsyncOnlineDPOTrainer
-from async_rlhf.generation import backend_choice, backend_probe
-from async_rlhf.generation.backend_probe import Workload, measure_backend
-from async_rlhf.generation.early_start import adopt_or_close
-from async_rlhf.generation.pool import GeneratorPool
-from async_rlhf.generation.worker import generator_specs
+from async_rlhf.generation.pool import backend_choice
+from async_rlhf.generation.pool import backend_probe
+from async_rlhf.generation.pool.backend_probe import Workload, measure_backend
+from async_rlhf.generation.pool.early_start import adopt_or_close
+from async_rlhf.generation.pool.local import GeneratorPool
+from async_rlhf.generation.engine.worker import generator_specs
 from async_rlhf.types import SamplingSettings
 
 PROMPTS = Dataset.from_dict({"prompt": ["abc", "def", "ghi", "jkl", "mno", "pqr"]})
@@ -60,7 +61,7 @@ def test_early_generators_that_differ_from_those_needed_are_closed(tiny_model_di
     args = tiny_run_config(tmp_path)
     early = GeneratorPool(generator_specs(args, tiny_model_dir, {"dtype": "float32"}, 0), None, 60, 60)
     needed = generator_specs(args, tiny_model_dir, {"dtype": "float32"}, 2)
-    with caplog.at_level(logging.INFO, logger="async_rlhf.generation.early_start"):
+    with caplog.at_level(logging.INFO, logger="async_rlhf.generation.pool.early_start"):
         assert adopt_or_close(early, needed, lambda batch: None) is None
     assert "initial_version" in caplog.records[0].getMessage() and early._stopping.is_set()
     same = GeneratorPool(needed, None, 60, 60)

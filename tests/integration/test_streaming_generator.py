@@ -20,8 +20,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from async_rlhf.data.tiny_model import char_tokenizer, tiny_llama
-from async_rlhf.generation.pool import GeneratorPool
-from async_rlhf.generation.worker import GeneratorSpec
+from async_rlhf.generation.pool.local import GeneratorPool
+from async_rlhf.generation.engine.worker import GeneratorSpec
 from async_rlhf.types import GenerationRequest, SamplingSettings
 from async_rlhf.weight_sync import ShmWeightTransport
 from pool_answers import Answers

@@ -119,7 +119,7 @@ FAKE_RECIPE = textwrap.dedent('''
         seed: int = 0
         num_mini_batches: int = 1
         max_steps: int = 4
-        # a script outside recipes/ is assumed to take async_rlhf.tasks' flags, whose defaults (built-in task,
+        # a script outside recipes/ is assumed to take async_rlhf.tasks.setup' flags, whose defaults (built-in task,
         # eval_prompts > 0) make the sweep expect eval_results.json; this stand-in writes it
         task: str = "builtin"
         eval_prompts: int = 8

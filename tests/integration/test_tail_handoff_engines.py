@@ -1,4 +1,4 @@
-"""Tail migration on two real streaming vLLM generators (`tail_migration`, `generation/tail.py`): a long request is
+"""Tail migration on two real streaming vLLM generators (`tail_migration`, `experimental/tail_migration.py`): a long request is
 handed from one generator to the other in the middle of its sample, a weight update loads while it goes on there,
 and it comes back once, from the other generator, with every token's behaviour log-prob equal to the transformers
 forward of the version named for it (old weights before the update, new ones after), whichever engine sampled it.
@@ -13,9 +13,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from async_rlhf.data.tiny_model import char_tokenizer, tiny_llama
-from async_rlhf.generation.pool import GeneratorPool
-from async_rlhf.generation.tail import TailMigration
-from async_rlhf.generation.worker import GeneratorSpec
+from async_rlhf.generation.pool.local import GeneratorPool
+from async_rlhf.experimental.tail_migration import TailMigration
+from async_rlhf.generation.engine.worker import GeneratorSpec
 from async_rlhf.types import GenerationRequest, SamplingSettings
 from async_rlhf.weight_sync import ShmWeightTransport
 from pool_answers import Answers

@@ -16,9 +16,9 @@ import pytest
 from transformers import TrainerCallback
 
 from async_rlhf import AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer
-from async_rlhf.checkpointing import PIPELINE_FILE
+from async_rlhf.learner.checkpointing import PIPELINE_FILE
 from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
-from async_rlhf.prompt_stream import PromptStream
+from async_rlhf.pipeline.prompt_stream import PromptStream
 from run_records import check_staleness_records
 from stop_at import StopAt
 

@@ -22,7 +22,7 @@ from session_run import stop_group
 
 requests = pytest.importorskip("requests")
 pytest.importorskip("vllm")
-EXTENSION = "async_rlhf.generation.vllm_worker_extension.WeightSyncExtension"
+EXTENSION = "async_rlhf.generation.engine.vllm_worker_extension.WeightSyncExtension"
 PROMPT = [2, 40, 41, 42]
 
 

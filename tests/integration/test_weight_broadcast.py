@@ -18,7 +18,7 @@ from async_rlhf.weight_sync.broadcast import BroadcastWeightTransport, GroupInfo
 
 def _generator(model_dir: str, info: dict, updates: list[dict], out: str) -> None:
     torch.set_num_threads(1)
-    from async_rlhf.generation.hf_backend import HFBackend
+    from async_rlhf.generation.engine.hf_backend import HFBackend
 
     backend = HFBackend(model_dir)
     backend.join_weight_group(GroupInfo.from_dict(info))

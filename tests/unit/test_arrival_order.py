@@ -10,9 +10,9 @@ import time
 import pytest
 
 from async_rlhf import AsyncGRPOConfig, AsyncOnlineDPOConfig
-from async_rlhf.arrival_order import ArrivalOrder
-from async_rlhf.config import ConfigError
-from async_rlhf.staleness_queue import StageTimeout
+from async_rlhf.experimental.arrival_order import ArrivalOrder
+from async_rlhf.errors import ConfigError
+from async_rlhf.errors import StageTimeout
 from async_rlhf.types import Completion, RolloutBatch
 
 

@@ -1,4 +1,4 @@
-"""The autoscaling rule (`generation/autoscale.py`) on hand-worked windows, and the config errors of
+"""The autoscaling rule (`experimental/autoscale_rule.py`) on hand-worked windows, and the config errors of
 `generator_autoscale` / `generator_launcher` (raised before any model loads)."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from async_rlhf import AsyncOnlineDPOConfig
-from async_rlhf.config import ConfigError
-from async_rlhf.generation.autoscale import AutoscaleRule, Window, decide, predicted_step_seconds
-from async_rlhf.generation import ray_launcher
-from async_rlhf.generation.ray_launcher import ray_installed
+from async_rlhf.errors import ConfigError
+from async_rlhf.experimental.autoscale_rule import AutoscaleRule, Window, decide, predicted_step_seconds
+from async_rlhf.config import checks
+from async_rlhf.config.checks import ray_installed
 
 # 2 steps in 2 s, the learner waited 1.2 s, one generator sampled 1.6 s:
 # T = 1.0, W = 0.6, learner 0.4, B = 0.8 a batch, g(1) = 0.8
@@ -84,7 +84,7 @@ def test_the_ray_launcher_needs_ray_and_no_servers(tmp_path, monkeypatch):
                                  generator_servers=["127.0.0.1:8000"])
         assert AsyncOnlineDPOConfig(output_dir=str(tmp_path), generator_launcher="ray").generator_launcher == "ray"
     # a machine without Ray (the module lookup is what tells; here it is made to find nothing)
-    monkeypatch.setattr(ray_launcher, "ray_installed", lambda: False)
+    monkeypatch.setattr(checks, "ray_installed", lambda: False)
     with pytest.raises(ConfigError, match=r"generator_launcher: 'ray' needs Ray, which is not installed here "
                                           r"\(pip install -r requirements-ray.txt\)"):
         AsyncOnlineDPOConfig(output_dir=str(tmp_path), generator_launcher="ray")

@@ -1,4 +1,4 @@
-"""`generator_backend="auto"` (generation/backend_choice.py): transformers where the installed vLLM cannot serve the
+"""`generator_backend="auto"` (generation/pool/backend_choice.py): transformers where the installed vLLM cannot serve the
 policy on the generator devices, with one warning naming why; where it can, on CPU, the backend measured faster for
 the run (`backend_probe.py`'s figures, cached per policy shape and machine), with one line giving the figures;
 `generation_mode="auto"` follows the choice.
@@ -19,11 +19,12 @@ from datasets import Dataset
 from transformers import AutoConfig
 
 from async_rlhf import AsyncOnlineDPOTrainer
-from async_rlhf.config import ConfigError
+from async_rlhf.errors import ConfigError
 from async_rlhf.data.tiny_model import save_tiny_model
-from async_rlhf.generation import backend_choice, backend_probe
-from async_rlhf.generation.backend_choice import resolve_generator_backend, vllm_facts, why_not_vllm
-from async_rlhf.generation.backend_probe import Workload
+from async_rlhf.generation.pool import backend_choice
+from async_rlhf.generation.pool import backend_probe
+from async_rlhf.generation.pool.backend_choice import resolve_generator_backend, vllm_facts, why_not_vllm
+from async_rlhf.generation.pool.backend_probe import Workload
 from async_rlhf.types import SamplingSettings
 
 pytestmark = pytest.mark.skipif(backend_choice.importlib.util.find_spec("vllm") is None, reason="needs vLLM")
@@ -207,7 +208,7 @@ def test_the_trainer_decides_before_any_generator_starts(make_config, tiny_model
 def test_the_probe_reads_vllm_in_a_child_process_and_caches_it(tmp_path, monkeypatch):
     monkeypatch.setenv("ASYNC_RLHF_CACHE", str(tmp_path))
     monkeypatch.setattr(backend_choice, "_memo", {})
-    facts = vllm_facts()  # runs `python -m async_rlhf.generation.backend_choice`
+    facts = vllm_facts()  # runs `python -m async_rlhf.generation.pool.backend_choice`
     (cached,) = (tmp_path / "vllm_facts").iterdir()
     assert cached.name.startswith(facts["vllm"]) and "LlamaForCausalLM" in facts["architectures"]
 

@@ -19,10 +19,10 @@ import torch
 from datasets import Dataset
 
 from async_rlhf import AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer, AsyncRLOOConfig
-from async_rlhf.cli import parse_args
-from async_rlhf.config import ConfigError
+from async_rlhf.config.cli import parse_args
+from async_rlhf.errors import ConfigError
 from async_rlhf.data.tiny_model import char_tokenizer
-from async_rlhf.data.prompts import DatasetError
+from async_rlhf.errors import DatasetError
 
 MISSING_MODEL = "/nonexistent/model"
 

@@ -6,9 +6,10 @@ import time
 import pytest
 import torch
 
-from async_rlhf.generation.pool_protocol import AckTracker
-from async_rlhf.staleness_queue import StageTimeout
-from async_rlhf.types import Completion, FieldError, GenerationRequest, RolloutBatch, SamplingSettings
+from async_rlhf.pipeline.generator_pool import AckTracker
+from async_rlhf.errors import StageTimeout
+from async_rlhf.types import Completion, GenerationRequest, RolloutBatch, SamplingSettings
+from async_rlhf.errors import FieldError
 
 BATCH = RolloutBatch(batch_id=2, generator_id=1, policy_version=1, prompt_ids=[4, 5], prompt_token_ids=[[1, 2], [3]],
                      completions=[[Completion([7, 0], [-0.5, -1.5], "stop")], [Completion([8], [-2.0], "length")]],
@@ -50,7 +51,7 @@ def test_ack_tracker_times_out_naming_the_generator_and_skips_restarting_ones():
 
 
 def test_http_pool_check_raises_on_an_unacknowledged_update():
-    from async_rlhf.generation.http_pool import HTTPGeneratorPool
+    from async_rlhf.generation.pool.http_pool import HTTPGeneratorPool
 
     pool = HTTPGeneratorPool(["127.0.0.1:9"], lambda batch: None, None, "/nonexistent", initial_version=0,
                              start_timeout=1.0, weight_sync_timeout=0.05, request_timeout=1.0)
@@ -63,7 +64,7 @@ def test_http_pool_check_raises_on_an_unacknowledged_update():
 
 def test_sequence_terms_packs_once_for_policy_reference_and_behaviour():
     from async_rlhf.data.tiny_model import char_tokenizer, tiny_llama
-    from async_rlhf.logprobs import sequence_terms, token_logps
+    from async_rlhf.learner.logprobs import sequence_terms, token_logps
     from async_rlhf.types import ScoredGroup
 
     tok = char_tokenizer()

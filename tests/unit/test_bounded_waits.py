@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from async_rlhf.data import build_lock as build_lock_module
-from async_rlhf.data.build_lock import build_lock
-from async_rlhf.scoring import RewardScorer
+from async_rlhf.tasks import build_lock as build_lock_module
+from async_rlhf.tasks.build_lock import build_lock
+from async_rlhf.scoring.rewards import RewardScorer
 
 
 def _hold(path: str, ready, release) -> None:
@@ -33,7 +33,7 @@ def test_build_lock_logs_while_waiting_and_times_out_naming_the_file(tmp_path, c
     try:
         assert ready.wait(60)
         monkeypatch.setattr(build_lock_module, "LOCK_LOG_EVERY", 0.2)
-        caplog.set_level(logging.INFO, logger="async_rlhf.data.build_lock")
+        caplog.set_level(logging.INFO, logger="async_rlhf.tasks.build_lock")
         t0 = time.monotonic()
         with pytest.raises(TimeoutError, match=rf"build lock {path}: still held by pid {holder.pid} after 1.5 s"):
             with build_lock(path, timeout=1.5):
@@ -60,7 +60,7 @@ def constant(prompts, completions, **kw):
 
 def test_a_reward_that_always_raises_under_skip_is_logged_once_and_counted(caplog):
     scorer = RewardScorer([always_fails, constant], failure="skip")
-    with caplog.at_level(logging.WARNING, logger="async_rlhf.scoring"):
+    with caplog.at_level(logging.WARNING, logger="async_rlhf.scoring.rewards"):
         for _ in range(3):
             scores, _ = scorer.score(["p"] * 2, ["a", "b"], [[1], [2]], [True, True], [0, 0])
             assert all(math.isnan(s) for s in scores.tolist())

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from async_rlhf.data import prepare
+from async_rlhf.tasks import build_builtin as prepare
 
 TINY_SFT = prepare.SFTSettings(num_examples=64, steps=3, batch_size=8, hidden_size=32, num_layers=1, num_heads=1)
 TINY_RM = prepare.RewardModelSettings(num_pairs=16, num_eval_pairs=8, max_new_tokens=4, batch_size=4)

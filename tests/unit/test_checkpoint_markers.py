@@ -9,8 +9,10 @@ import os
 import pytest
 from datasets import Dataset
 
-from async_rlhf import AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer, checkpointing
-from async_rlhf.checkpointing import COMPLETE_MARKER, CheckpointError, check_resume_is_safe, is_complete
+from async_rlhf import AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer
+from async_rlhf.learner import checkpointing
+from async_rlhf.learner.checkpointing import COMPLETE_MARKER, check_resume_is_safe, is_complete
+from async_rlhf.errors import CheckpointError
 
 
 def reward(prompts, completions, **kw):

@@ -8,9 +8,10 @@ import statistics
 import pytest
 from datasets import Dataset
 
-from async_rlhf.data.prompts import DatasetError, completion_budgets
+from async_rlhf.data.prompts import completion_budgets
+from async_rlhf.errors import DatasetError
 from async_rlhf.data.toy_task import toy_prompts
-from async_rlhf.generation.assignment import LengthEstimator
+from async_rlhf.pipeline.assignment import LengthEstimator
 from async_rlhf.types import GenerationRequest, SamplingSettings
 
 

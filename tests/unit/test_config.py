@@ -1,8 +1,8 @@
 import pytest
 
-from async_rlhf.cli import parse_args
-from async_rlhf.config import ConfigError
-from async_rlhf.algorithm_configs import AsyncOnlineDPOConfig
+from async_rlhf.config.cli import parse_args
+from async_rlhf.errors import ConfigError
+from async_rlhf.config.algorithms import AsyncOnlineDPOConfig
 
 
 def test_defaults_are_valid_and_cpu_sized(make_config):

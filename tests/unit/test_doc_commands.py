@@ -253,18 +253,18 @@ def test_doc_accelerate_commands_print_no_defaults_notice(where, command, tokens
                                   ["--generator_devices=cuda:6,cuda:7"], ["--generator_devices", "cuda:6,cuda:7",
                                                                           "--beta", "0.2"]])
 def test_list_fields_take_comma_and_space_separated_values(argv):
-    from async_rlhf.cli import parse_args
-    from async_rlhf.algorithm_configs import AsyncOnlineDPOConfig
-    from async_rlhf.tasks import ScriptArguments
+    from async_rlhf.config.cli import parse_args
+    from async_rlhf.config.algorithms import AsyncOnlineDPOConfig
+    from async_rlhf.tasks.setup import ScriptArguments
 
     _, config = parse_args((ScriptArguments, AsyncOnlineDPOConfig), ["--task", "toy"] + argv)
     assert config.generator_devices == ["cuda:6", "cuda:7"]
 
 
 def test_list_of_numbers_and_yaml_strings_split_too(tmp_path):
-    from async_rlhf.cli import parse_args
-    from async_rlhf.algorithm_configs import AsyncOnlineDPOConfig
-    from async_rlhf.tasks import ScriptArguments
+    from async_rlhf.config.cli import parse_args
+    from async_rlhf.config.algorithms import AsyncOnlineDPOConfig
+    from async_rlhf.tasks.setup import ScriptArguments
 
     _, config = parse_args((ScriptArguments, AsyncOnlineDPOConfig),
                            ["--task", "toy", "--beta", "0.1,0.2", "--reward_weights", "1,-0.5"])

@@ -1,10 +1,10 @@
-"""The inference-only DeepSpeed config that the reference and reward models run under (`frozen_models.py`)."""
+"""The inference-only DeepSpeed config that the reference and reward models run under (`learner/frozen_models.py`)."""
 
 from __future__ import annotations
 
 import copy
 
-from async_rlhf.frozen_models import _frozen_engine_config
+from async_rlhf.learner.frozen_models import _frozen_engine_config
 
 TRAIN = {
     "train_micro_batch_size_per_gpu": 2,

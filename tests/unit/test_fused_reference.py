@@ -1,4 +1,4 @@
-"""Reference log-probs computed on the scoring thread as parts arrive (`fused_reference.py`) must be what the
+"""Reference log-probs computed on the scoring thread as parts arrive (`experimental/fused_reference.py`) must be what the
 learner's step computes itself, must survive the trip to other ranks and checkpoints, and must replace the step's
 reference forward only when they fit; the scoring stage accounts each stage's time and hidden fraction."""
 
@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from async_rlhf.data.tiny_model import char_tokenizer, tiny_llama
-from async_rlhf.fused_reference import reference_parts
-from async_rlhf.logprobs import sequence_terms
-from async_rlhf.scoring_stage import ScoringStage
-from async_rlhf.types import Completion, FieldError, RolloutBatch, ScoredGroup
+from async_rlhf.experimental.fused_reference import reference_parts
+from async_rlhf.learner.logprobs import sequence_terms
+from async_rlhf.scoring.stage import ScoringStage
+from async_rlhf.types import Completion, RolloutBatch, ScoredGroup
+from async_rlhf.errors import FieldError
 
 TOK = char_tokenizer()
 REF = tiny_llama(TOK, seed=0).eval()

@@ -15,11 +15,12 @@ import time
 import pytest
 import torch
 
-from async_rlhf.config import ConfigError
-from async_rlhf.algorithm_configs import AsyncOnlineDPOConfig
-from async_rlhf.generation import http_client, serve
-from async_rlhf.generation.http_client import ServerError, Unauthorized, WeightSyncClient
-from async_rlhf.generation.pool_protocol import GeneratorFailed
+from async_rlhf.errors import ConfigError
+from async_rlhf.config.algorithms import AsyncOnlineDPOConfig
+from async_rlhf.generation import serve
+from async_rlhf.generation.pool import http_client
+from async_rlhf.generation.pool.http_client import ServerError, Unauthorized, WeightSyncClient
+from async_rlhf.errors import GeneratorFailed
 from async_rlhf.types import GenerationRequest, SamplingSettings
 
 TOKEN = "t" * 16
@@ -214,7 +215,7 @@ def test_a_refused_token_is_unauthorized():
 def test_pool_check_raises_any_failure_naming_the_server(mode):
     """Every exception in the pool's loop, whatever its type, is raised by `check` naming the server."""
     pytest.importorskip("vllm")
-    from async_rlhf.generation.http_pool import HTTPGeneratorPool
+    from async_rlhf.generation.pool.http_pool import HTTPGeneratorPool
 
     fake = Fake("ok" if mode == "on_rollouts" else mode)
 
@@ -242,8 +243,8 @@ def test_pool_check_raises_any_failure_naming_the_server(mode):
 
 
 def test_pool_start_fails_naming_a_server_that_never_answers():
-    from async_rlhf.generation.http_pool import HTTPGeneratorPool
-    from async_rlhf.staleness_queue import StageTimeout
+    from async_rlhf.generation.pool.http_pool import HTTPGeneratorPool
+    from async_rlhf.errors import StageTimeout
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -1,5 +1,5 @@
 """A generator process keeps the console to real problems and everything else in its log file
-(`generation/process_log.py`): vLLM's per-sync INFO lines and its known-harmless warnings, Python library warnings
+(`generation/engine/process_log.py`): vLLM's per-sync INFO lines and its known-harmless warnings, Python library warnings
 and raw C++ output go to the file only; a real warning reaches the console too."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 CHILD = textwrap.dedent("""
     import os, sys, warnings
-    from async_rlhf.generation.process_log import route_output
+    from async_rlhf.generation.engine.process_log import route_output
 
     route_output(sys.argv[1], "generator-0")
     assert os.environ["VLLM_CONFIGURE_LOGGING"] == "0"

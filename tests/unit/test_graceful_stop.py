@@ -8,10 +8,10 @@ import types
 
 import pytest
 
-from async_rlhf.generation.pool import GeneratorPool
-from async_rlhf.generation.pool_protocol import GeneratorFailed
-from async_rlhf.generation.worker import GeneratorSpec
-from async_rlhf.pipeline import RolloutPipeline
+from async_rlhf.generation.pool.local import GeneratorPool
+from async_rlhf.errors import GeneratorFailed
+from async_rlhf.generation.engine.worker import GeneratorSpec
+from async_rlhf.pipeline.rollout_pipeline import RolloutPipeline
 from async_rlhf.trainers.base import AsyncTrainerBase
 from async_rlhf.types import SamplingSettings
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from async_rlhf import AsyncGRPOConfig
-from async_rlhf.config import ConfigError
+from async_rlhf.errors import ConfigError
 from async_rlhf.losses.grpo import grpo_advantages, grpo_loss
 
 EPS = 1e-4  # TRL's std epsilon

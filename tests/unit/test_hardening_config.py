@@ -5,9 +5,10 @@ import math
 
 import pytest
 
-from async_rlhf.cli import parse_args
-from async_rlhf.config import ConfigError, ROLLOUT_TIMEOUT_MARGIN
-from async_rlhf.algorithm_configs import AsyncOnlineDPOConfig, AsyncPPOConfig, AsyncRLOOConfig
+from async_rlhf.config.cli import parse_args
+from async_rlhf.config.base import ROLLOUT_TIMEOUT_MARGIN
+from async_rlhf.errors import ConfigError
+from async_rlhf.config.algorithms import AsyncOnlineDPOConfig, AsyncPPOConfig, AsyncRLOOConfig
 
 
 def make(cls=AsyncOnlineDPOConfig, **kw):
@@ -114,7 +115,7 @@ def test_colocate_is_shm_on_cpu_and_ipc_refuses_a_cpu_learner(tmp_path):
 
     from async_rlhf.weight_sync import ShmWeightTransport, make_transport
     from async_rlhf.weight_sync.ipc import IpcWeightTransport
-    from async_rlhf.weight_sync.transport import WeightTransportError
+    from async_rlhf.errors import WeightTransportError
 
     args = AsyncOnlineDPOConfig(output_dir=str(tmp_path), colocate=True, use_cpu=True)
     assert args.weight_transport == "shm"

@@ -34,7 +34,7 @@ def _recipe_classes(path: str):
 
 @pytest.mark.parametrize("path", RECIPE_CONFIGS, ids=os.path.basename)
 def test_recipe_config_fields_exist_and_validate(path, tmp_path):
-    from async_rlhf.cli import parse_args
+    from async_rlhf.config.cli import parse_args
 
     script_class, config_class = _recipe_classes(path)
     values = yaml.safe_load(open(path))

@@ -5,7 +5,7 @@ import random
 import torch
 
 from async_rlhf.data.tiny_model import char_tokenizer, tiny_llama
-from async_rlhf.logprobs import bucketed_token_logps, completion_batch, length_buckets, token_logps
+from async_rlhf.learner.logprobs import bucketed_token_logps, completion_batch, length_buckets, token_logps
 from async_rlhf.types import Completion, ScoredGroup
 
 
@@ -44,7 +44,7 @@ def test_bucketed_forward_equals_the_padded_one_with_gradients():
 
 
 def test_behaviour_logprobs_of_a_completion_cut_at_max_length_are_its_first_tokens():
-    from async_rlhf.logprobs import behaviour_logps, pack_sequences
+    from async_rlhf.learner.logprobs import behaviour_logps, pack_sequences
 
     long = Completion([11, 12, 13, 14, 15, 16], [-1.0, -2.0, -3.0, -4.0, -5.0, -6.0], "length")
     short = Completion([21, 22], [-0.5, -0.25], "stop")

@@ -11,12 +11,12 @@ import statistics
 
 import pytest
 
-from async_rlhf.cli import parse_args
-from async_rlhf.config import ConfigError
+from async_rlhf.config.cli import parse_args
+from async_rlhf.errors import ConfigError
 from async_rlhf.data import longtail_task as lt
-from async_rlhf.data import prepare
+from async_rlhf.tasks import build_builtin as prepare
 from async_rlhf.data.tokenizer import build_tokenizer
-from async_rlhf.tasks import ScriptArguments, setup_task, task_defaults
+from async_rlhf.tasks.setup import ScriptArguments, setup_task, task_defaults
 
 TINY_SFT = prepare.SFTSettings(num_examples=64, steps=3, batch_size=8, hidden_size=32, num_layers=1, num_heads=1,
                                length_grouped=True)
@@ -101,8 +101,8 @@ def test_reduced_build_and_the_recipe_flag(tmp_path, monkeypatch):
     as a recipe parses it: the task's defaults, its SFT policy and proxy reward model, its train split, and an
     evaluation with its gold reward and 256-token completions, also against the SFT policy's cached greedy
     completions."""
-    from async_rlhf import algorithm_configs as c
-    from async_rlhf.data.prepare_longtail import prepare_longtail
+    from async_rlhf.config import algorithms as c
+    from async_rlhf.tasks.build_longtail import prepare_longtail
 
     monkeypatch.setenv("ASYNC_RLHF_CACHE", str(tmp_path / "cache"))
     real = prepare.evaluate_policy
@@ -145,7 +145,7 @@ def test_reduced_build_and_the_recipe_flag(tmp_path, monkeypatch):
 
 
 def test_toy_lengths_flag_gives_heavy_tailed_budgets_and_refuses_bad_values(tmp_path):
-    from async_rlhf import algorithm_configs as c
+    from async_rlhf.config import algorithms as c
 
     argv = ["--task", "toy", "--toy_lengths", "48", "1.0", "--max_new_tokens", "224", "--max_length", "256",
             "--output_dir", str(tmp_path)]

@@ -9,7 +9,7 @@ import torch
 from accelerate import Accelerator
 
 from async_rlhf.data.tiny_model import char_tokenizer, tiny_llama
-from async_rlhf.trainers.nonfinite import NonFiniteGuard, NonFiniteSteps
+from async_rlhf.learner.nonfinite import NonFiniteGuard, NonFiniteSteps
 
 
 def step(model, optimizer, guard, scale: float) -> bool:

@@ -9,11 +9,12 @@ import os
 
 import pytest
 
-from async_rlhf import checkpointing
-from async_rlhf.generation import http_client
-from async_rlhf.generation.pool_protocol import GeneratorFailed
-from async_rlhf.rank_share import check_logprobs_finite
-from async_rlhf.types import Completion, FieldError, GenerationRequest, RolloutBatch, SamplingSettings
+from async_rlhf.learner import checkpointing
+from async_rlhf.generation.pool import http_client
+from async_rlhf.errors import GeneratorFailed
+from async_rlhf.pipeline.rank_share import check_logprobs_finite
+from async_rlhf.types import Completion, GenerationRequest, RolloutBatch, SamplingSettings
+from async_rlhf.errors import FieldError
 
 SETTINGS = SamplingSettings(max_new_tokens=4, temperature=0.9, top_p=1.0, top_k=-1, n=1, seed=7)
 REQUEST = GenerationRequest(batch_id=3, prompt_ids=[5], prompt_token_ids=[[2, 40]], settings=SETTINGS)

@@ -10,10 +10,10 @@ import threading
 
 import pytest
 
-from async_rlhf.checkpointing import CheckpointError
-from async_rlhf.config import ConfigError
-from async_rlhf.partial_rollouts import PartialRollouts, restore_partial
-from async_rlhf.staleness_queue import StageTimeout
+from async_rlhf.errors import CheckpointError
+from async_rlhf.errors import ConfigError
+from async_rlhf.experimental.partial_rollouts import PartialRollouts, restore_partial
+from async_rlhf.errors import StageTimeout
 from async_rlhf.types import Completion, RolloutBatch
 
 P = 2  # prompts per step

@@ -1,4 +1,4 @@
-"""LoRA policies (peft_policy.py, weight_sync/lora_merge.py) on the tiny Llama: what the generators receive is the
+"""LoRA policies (learner/peft_policy.py, weight_sync/lora_merge.py) on the tiny Llama: what the generators receive is the
 merged model under the base names, the reference is the base with adapters off, the policy is never altered by a
 sync, and bad configurations fail before any model loads. The training runs are in
 tests/integration/test_lora_learners.py."""
@@ -14,9 +14,9 @@ peft = pytest.importorskip("peft")
 
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from async_rlhf.config import ConfigError  # noqa: E402
-from async_rlhf.logprobs import sequence_terms  # noqa: E402
-from async_rlhf.peft_policy import (adapters_are_identity, adapters_off, base_state_dict,  # noqa: E402
+from async_rlhf.errors import ConfigError
+from async_rlhf.learner.logprobs import sequence_terms  # noqa: E402
+from async_rlhf.learner.peft_policy import (adapters_are_identity, adapters_off, base_state_dict,  # noqa: E402
                                     check_peft_config, get_peft_config)
 from async_rlhf.types import Completion, ScoredGroup  # noqa: E402
 from async_rlhf.weight_sync import ShmWeightTransport, gather_full_state  # noqa: E402
@@ -57,7 +57,7 @@ def test_merged_weights_have_the_base_names_and_give_the_lora_policys_logits(tin
     reference = copy.deepcopy(policy).merge_and_unload().state_dict()
     assert all(torch.equal(state[k], reference[k]) for k in reference)
     # through the real weight path: published as a shm file and loaded by the transformers generator backend
-    from async_rlhf.generation.hf_backend import HFBackend
+    from async_rlhf.generation.engine.hf_backend import HFBackend
 
     transport = ShmWeightTransport(str(tmp_path))
     backend = HFBackend(tiny_model_dir)
@@ -154,9 +154,9 @@ def test_bad_peft_configs_fail_before_any_model_loads(tiny_model_dir):
 
 
 def test_recipe_flags_make_trls_lora_config():
-    from async_rlhf.algorithm_configs import AsyncOnlineDPOConfig
-    from async_rlhf.cli import parse_args
-    from async_rlhf.tasks import ScriptArguments
+    from async_rlhf.config.algorithms import AsyncOnlineDPOConfig
+    from async_rlhf.config.cli import parse_args
+    from async_rlhf.tasks.setup import ScriptArguments
 
     def parse(*flags):
         script, _ = parse_args((ScriptArguments, AsyncOnlineDPOConfig), ["--output_dir", "/tmp/x", *flags])

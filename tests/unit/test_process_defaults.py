@@ -16,7 +16,7 @@ def test_deepspeed_is_told_it_runs_on_the_cpu(defaults, warned):
     env = {k: v for k, v in os.environ.items() if k not in ("DS_ACCELERATOR", "WANDB_MODE")}
     env["CUDA_VISIBLE_DEVICES"] = ""
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    code = ("from async_rlhf.cli import set_process_defaults; set_process_defaults(); " if defaults else "") + SCRIPT
+    code = ("from async_rlhf.config.cli import set_process_defaults; set_process_defaults(); " if defaults else "") + SCRIPT
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert ("Setting accelerator to CPU" in proc.stdout + proc.stderr) == warned

@@ -14,9 +14,9 @@ import traceback
 import pytest
 import torch
 
-from async_rlhf.generation.pool_protocol import GeneratorFailed
-from async_rlhf.rank_share import broadcast_json, check_logprobs_finite, share_batch
-from async_rlhf.staleness_queue import StageTimeout
+from async_rlhf.errors import GeneratorFailed
+from async_rlhf.pipeline.rank_share import broadcast_json, check_logprobs_finite, share_batch
+from async_rlhf.errors import StageTimeout
 from async_rlhf.types import Completion, RolloutBatch
 
 BATCH = RolloutBatch(batch_id=3, generator_id=-1, policy_version=2, prompt_ids=[7, 1],

@@ -1,4 +1,4 @@
-"""Reward-model scores with each prompt's shared tokens run once (`reward_shared_prefix`, `reward_prefix.py`) equal
+"""Reward-model scores with each prompt's shared tokens run once (`reward_shared_prefix`, `scoring/reward_prefix.py`) equal
 the padded forward's within float tolerance, with either padding side (the built-in task's tokenizer pads left)."""
 
 import random
@@ -9,8 +9,8 @@ import torch
 from transformers import LlamaForSequenceClassification
 
 from async_rlhf.data.tiny_model import char_tokenizer, tiny_llama
-from async_rlhf.reward_prefix import shared_prefix_scores, supports_shared_prefix
-from async_rlhf.scoring import RewardScorer
+from async_rlhf.scoring.reward_prefix import shared_prefix_scores, supports_shared_prefix
+from async_rlhf.scoring.rewards import RewardScorer
 
 
 def reward_model(tok, seed=0):

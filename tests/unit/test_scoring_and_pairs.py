@@ -2,8 +2,9 @@ import math
 
 import pytest
 
-from async_rlhf.logprobs import pack_sequences
-from async_rlhf.scoring import RewardError, RewardScorer, best_and_worst, score_rows
+from async_rlhf.learner.logprobs import pack_sequences
+from async_rlhf.scoring.rewards import RewardScorer, best_and_worst, score_rows
+from async_rlhf.errors import RewardError
 from async_rlhf.trainers.online_dpo import select_pairs
 from async_rlhf.types import Completion, ScoredGroup
 
@@ -112,7 +113,7 @@ def test_a_batch_scored_as_its_parts_arrive_trains_on_the_same_rewards_and_metri
     # inter-stage fusion: rank 0 scores each part (`score_part`), the batch crosses ranks as JSON, and the learner
     # uses those rewards instead of scoring again; everything must equal scoring the batch in the step
     from async_rlhf.data.tiny_model import char_tokenizer
-    from async_rlhf.scoring import score_part, score_parts
+    from async_rlhf.scoring.rewards import score_part, score_parts
     from async_rlhf.types import RolloutBatch
 
     tok = char_tokenizer()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from async_rlhf.data.tiny_model import char_tokenizer, tiny_llama
-from async_rlhf.logprobs import completion_batch, sequence_terms, shared_prefix_logps, token_logps
+from async_rlhf.learner.logprobs import completion_batch, sequence_terms, shared_prefix_logps, token_logps
 from async_rlhf.types import Completion, ScoredGroup
 
 TOK = char_tokenizer()
@@ -62,7 +62,7 @@ def test_sequence_terms_with_a_shared_prefix_reference():
 def test_policy_shared_prefix_gives_the_unshared_log_probs_and_gradients():
     """Online DPO's policy runs each prompt once with gradient: log-probs, drift log-probs (another temperature) and
     every parameter's gradient equal the padded forward's."""
-    from async_rlhf.logprobs import shared_prefix_token_logps
+    from async_rlhf.learner.logprobs import shared_prefix_token_logps
 
     policy = tiny_llama(TOK, seed=3).train()
     gs = groups(2, count=6, seed=4)

@@ -99,7 +99,7 @@ def test_directories_of_a_killed_owner_are_removed_by_the_next_transport(tmp_pat
 
 def test_initial_copy_is_locked_made_on_rank_0_only_and_removed_on_close(tmp_path):
     from async_rlhf.data.tiny_model import char_tokenizer, tiny_llama
-    from async_rlhf.generation.placement import initial_model_dir
+    from async_rlhf.generation.pool.placement import initial_model_dir
 
     tokenizer = char_tokenizer()
     model = tiny_llama(tokenizer)

@@ -4,8 +4,9 @@ import importlib.util
 
 import pytest
 
-from async_rlhf.config import ConfigError
-from async_rlhf.data import builtin_task, smollm2
+from async_rlhf.errors import ConfigError
+from async_rlhf.data import builtin_task
+from async_rlhf.tasks import smollm2
 
 
 def test_missing_wheel_names_the_install_command(monkeypatch):

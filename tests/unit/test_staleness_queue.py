@@ -3,8 +3,9 @@ import time
 
 import pytest
 
-from async_rlhf.prompt_stream import PromptStream
-from async_rlhf.staleness_queue import StageTimeout, StalenessQueue
+from async_rlhf.pipeline.prompt_stream import PromptStream
+from async_rlhf.pipeline.staleness_queue import StalenessQueue
+from async_rlhf.errors import StageTimeout
 from async_rlhf.types import Completion, RolloutBatch
 
 

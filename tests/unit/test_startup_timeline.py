@@ -1,4 +1,4 @@
-"""The start-up timeline (startup.py): milestones in seconds since this process started, first reach kept."""
+"""The start-up timeline (trainers/startup.py): milestones in seconds since this process started, first reach kept."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 import psutil
 import pytest
 
-from async_rlhf.startup import StartupTimeline
+from async_rlhf.trainers.startup import StartupTimeline
 
 
 def test_milestones_count_from_the_process_start_and_keep_their_first_time():

@@ -1,12 +1,13 @@
-"""The streaming boundary's small parts: length-aware assignment (`generation/assignment.py`) and per-token versions
+"""The streaming boundary's small parts: length-aware assignment (`pipeline/assignment.py`) and per-token versions
 on the rollout types (`Completion.version_starts`, `RolloutBatch.sample_versions`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from async_rlhf.generation.assignment import LengthEstimator, assign, imbalance
-from async_rlhf.types import Completion, FieldError, RolloutBatch
+from async_rlhf.pipeline.assignment import LengthEstimator, assign, imbalance
+from async_rlhf.types import Completion, RolloutBatch
+from async_rlhf.errors import FieldError
 
 
 def test_longest_first_to_the_least_loaded_generator_counting_work_in_flight():

@@ -237,9 +237,9 @@ def test_finished_run_with_other_flags_is_refused(tmp_path):
 
 def test_error_line_prefers_the_last_exception_over_the_launcher_wrapper(tmp_path):
     log = tmp_path / "log.txt"
-    log.write_text("Traceback (most recent call last):\n  File x\nasync_rlhf.config.ConfigError: max_steps: bad\n"
+    log.write_text("Traceback (most recent call last):\n  File x\nasync_rlhf.errors.ConfigError: max_steps: bad\n"
                    "Traceback (most recent call last):\nsubprocess.CalledProcessError: Command '...' returned 1.\n")
-    assert error_line(str(log)) == "async_rlhf.config.ConfigError: max_steps: bad"
+    assert error_line(str(log)) == "async_rlhf.errors.ConfigError: max_steps: bad"
 
 
 # ---- aggregation arithmetic ----------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Tail migration's rule and book-keeping (`generation/tail.py`), joining a sample's two halves
+"""Tail migration's rule and book-keeping (`experimental/tail_migration.py`), joining a sample's two halves
 (`stream_engine.joined`), and the settings it needs. The generators' side runs on real vLLM engines in
 `tests/integration/test_tail_handoff_engines.py` and `test_multi_generator.py`."""
 
@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 
 from async_rlhf import AsyncOnlineDPOConfig
-from async_rlhf.config_checks import ConfigError
-from async_rlhf.generation.stream_engine import _starts, joined
-from async_rlhf.generation.tail import TailMigration
-from async_rlhf.types import Completion, FieldError, GenerationRequest, SamplingSettings
+from async_rlhf.errors import ConfigError
+from async_rlhf.generation.engine.stream_engine import _starts, joined
+from async_rlhf.experimental.tail_migration import TailMigration
+from async_rlhf.types import Completion, GenerationRequest, SamplingSettings
+from async_rlhf.errors import FieldError
 
 
 def _in_flight(holders: dict[int, list[tuple[int, int]]]) -> dict[int, dict]:

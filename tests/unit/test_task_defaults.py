@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 from datasets import Dataset
 
-from async_rlhf import algorithm_configs as c
-from async_rlhf.cli import parse_args
-from async_rlhf.config import ConfigError
-from async_rlhf.tasks import ScriptArguments, task_defaults
+from async_rlhf.config import algorithms as c
+from async_rlhf.config.cli import parse_args
+from async_rlhf.errors import ConfigError
+from async_rlhf.tasks.setup import ScriptArguments, task_defaults
 
 RECIPES = {"online_dpo": c.AsyncOnlineDPOConfig, "rloo": c.AsyncRLOOConfig, "ppo": c.AsyncPPOConfig,
            "best_of_n": c.AsyncBestOfNConfig}
@@ -26,7 +26,7 @@ def _positions(task: str) -> int:
         from async_rlhf.data.longtail_task import SFT_MAX_POSITIONS
 
         return SFT_MAX_POSITIONS
-    from async_rlhf.data.prepare import SFT_MAX_POSITIONS
+    from async_rlhf.tasks.build_builtin import SFT_MAX_POSITIONS
 
     return SFT_MAX_POSITIONS
 

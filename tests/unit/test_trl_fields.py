@@ -1,4 +1,4 @@
-"""TRL 1.16 OnlineDPOConfig's generation fields on our configs (async_rlhf/trl_fields.py): mapped onto ours where
+"""TRL 1.16 OnlineDPOConfig's generation fields on our configs (async_rlhf/config/trl_fields.py): mapped onto ours where
 they have a meaning here, conflicts refused naming both fields, and our ConfigError is the ValueError TRL users
 catch. The no-op fields' single warning is checked in tests/compat/test_online_dpo_compat.py."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from async_rlhf import AsyncOnlineDPOConfig, AsyncRLOOConfig
-from async_rlhf.cli import parse_args
-from async_rlhf.config import ConfigError
+from async_rlhf.config.cli import parse_args
+from async_rlhf.errors import ConfigError
 
 
 def test_config_error_is_a_value_error():

@@ -10,8 +10,9 @@ import types
 import pytest
 import torch
 
-from async_rlhf.generation.pool_protocol import AckTracker, GeneratorFailed
-from async_rlhf.pipeline import RolloutPipeline
+from async_rlhf.pipeline.generator_pool import AckTracker
+from async_rlhf.errors import GeneratorFailed
+from async_rlhf.pipeline.rollout_pipeline import RolloutPipeline
 from async_rlhf.types import SamplingSettings
 from async_rlhf.weight_sync.shm import ShmWeightTransport
 

@@ -1,0 +1,105 @@
+"""What a generator process does with its inbox once its engine is up: two loops, one per `generation_mode`.
+
+Both serve the inbox in order as far as weights are concerned: a `WeightUpdate` queued before a `GenerationRequest`
+is loaded before that request is sampled (the FIFO rule that lets the learner's admission bound staleness without
+locks), and every rollout carries the version(s) that sampled it. Both return True on `Shutdown` or when the
+parent died (checked every second while idle); an exception leaves them for `worker.py` to report.
+
+* `serve_batches` (batch-level, the baseline): one message at a time; a request is one `generate` call, answered
+  when its longest sample ends.
+* `serve_stream` (request-level, vLLM): requests enter the engine as soon as they arrive, whatever it is running,
+  and each is answered the moment its own samples end (`stream_engine.py`). A weight update at the head of the inbox
+  is loaded according to `weight_load`: "drain" waits until every sample already started has finished (they keep
+  one version each; requests queued behind the update wait too), "in_flight" loads at once between two engine
+  steps (running samples continue on the new weights, recomputed over their context; each token keeps its own
+  version and behaviour log-prob). A `TailHandoff` (`tail_migration`) takes a request out of the engine and sends
+  it back as it stands (`Migrated`), to be continued by another generator.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import time
+
+from async_rlhf.types import Migrated, RolloutBatch, WeightAck
+
+
+def _load(backend, msg, generator_id: int, outbox, busy_seconds: float) -> int:
+    t0 = time.perf_counter()
+    backend.load_weights(msg)
+    outbox.put(WeightAck(generator_id, msg.version, time.perf_counter() - t0, busy_seconds))
+    return msg.version
+
+
+def _spec(backend) -> dict:
+    """The backend's cumulative speculation counters ({} without speculation, or for a backend without any)."""
+    counters = getattr(backend, "spec_counters", None)
+    return counters() if counters is not None else {}
+
+
+def serve_batches(spec, backend, inbox, outbox, parent) -> bool:
+    version = spec.initial_version
+    busy = 0.0  # seconds in `generate`
+    while True:
+        try:
+            msg = inbox.get(timeout=1.0)
+        except queue.Empty:
+            if parent is not None and not parent.is_alive():
+                return True
+            continue
+        if msg.kind == "shutdown":
+            return True
+        if msg.kind == "weights":
+            version = _load(backend, msg, spec.generator_id, outbox, busy)
+        elif msg.kind == "generate":
+            t0 = time.perf_counter()
+            completions = backend.generate(msg.prompt_token_ids, msg.settings, msg.max_new_tokens or None)
+            busy += time.perf_counter() - t0
+            outbox.put(RolloutBatch(batch_id=msg.batch_id, generator_id=spec.generator_id, policy_version=version,
+                                    prompt_ids=msg.prompt_ids, prompt_token_ids=msg.prompt_token_ids,
+                                    completions=completions, seconds=time.perf_counter() - t0, chunk=msg.chunk,
+                                    num_chunks=msg.num_chunks, spec=_spec(backend)))
+        else:
+            raise ValueError(f"generator {spec.generator_id}: unknown message kind {msg.kind!r}")
+
+
+def serve_stream(spec, backend, inbox, outbox, parent) -> bool:
+    from async_rlhf.generation.engine.stream_engine import StreamEngine
+
+    engine = StreamEngine(backend, spec.generator_id, handoffs=spec.handoffs)
+    backend.llm.update_weight_version(str(spec.initial_version))  # vLLM labels each token with it
+    version = spec.initial_version
+    fifo: collections.deque = collections.deque()  # received, not yet served
+    while True:
+        idle = not engine.busy and not fifo
+        try:  # take everything that has arrived; wait (and watch the parent) only when there is nothing to do
+            fifo.append(inbox.get(timeout=1.0) if idle else inbox.get_nowait())
+            while True:
+                fifo.append(inbox.get_nowait())
+        except queue.Empty:
+            if idle and not fifo and parent is not None and not parent.is_alive():
+                return True
+        while fifo:
+            msg = fifo[0]
+            if msg.kind == "shutdown":
+                return True
+            if msg.kind == "weights":
+                if spec.weight_load == "drain" and engine.busy:
+                    break  # the head waits for the samples already started; so does everything behind it
+                version = _load(backend, msg, spec.generator_id, outbox, engine.busy_seconds)
+            elif msg.kind == "generate":
+                engine.submit(msg, version)
+            elif msg.kind == "handoff":
+                moved = engine.handoff(msg.batch_id, msg.chunk)
+                if moved is not None:  # else it ended first: its rollouts are already on their way
+                    outbox.put(Migrated(spec.generator_id, *moved))
+            else:
+                raise ValueError(f"generator {spec.generator_id}: unknown message kind {msg.kind!r}")
+            fifo.popleft()
+        if engine.busy:
+            finished = engine.step(version)
+            counters = _spec(backend) if finished else {}
+            for rollouts in finished:
+                rollouts.spec = counters
+                outbox.put(rollouts)

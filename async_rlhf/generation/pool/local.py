@@ -1,0 +1,393 @@
+"""The generator pool: starts, feeds, watches, restarts and stops the generator processes. Lives on learner rank 0.
+
+Owns: one spawned process per generator device, and per generator process an inbox queue (learner -> generator) and
+an outbox queue (generator -> learner); one daemon forwarder thread per outbox, which moves its messages into one
+in-process queue, and a daemon reader thread that serves that queue. Rollouts go to the `on_rollouts` callback (the
+staleness pipeline, called from the reader thread only); acknowledgements, readiness and errors are recorded here.
+A restarted generator gets a new inbox and a new outbox: a process SIGKILLed while writing into its outbox leaves the
+queue's write lock held and a message half-written, so that queue is never used again (a shared outbox would silence
+every generator after such a kill). Messages still arriving from a replaced process are dropped, except its error
+report (the requests it held are re-issued anyway).
+
+Guarantees:
+* every message to a generator is delivered in the order sent (one FIFO inbox per generator);
+* `spawn` starts the processes and returns at once (the learner loads its models meanwhile: `early_start.py`);
+  `start` (which spawns first if that was not done) returns only once every engine is up, or raises naming the
+  generator; `start_timeout` counts from the spawn;
+* a generator that dies or reports an error is restarted (at most `max_restarts` times per generator) with the
+  newest weights, and the requests it had not answered are re-issued to it: no batch is lost. Past the limit,
+  `check` raises `GeneratorFailed` naming the generator and its last error;
+* `check` raises `StageTimeout` if a generator has not acknowledged a weight update within `weight_sync_timeout`
+  (`AckTracker`, shared with the remote pool), or a restarted engine is not up within `start_timeout`;
+* once `begin_stop` was called (the trainer got SIGINT/SIGTERM) no generator is restarted: `check` raises
+  `GeneratorFailed` for one that died instead of starting another engine on the way out;
+* `close` always leaves no generator process alive: Shutdown, then SIGKILL (generators ignore SIGTERM and SIGINT, see
+  `worker.py`), each bounded in time; SIGKILL at once where `start` never completed (an engine still starting reads
+  no inbox). A pool never closed (its owner left by an unexpected path) kills its generators
+  when it is garbage-collected or at interpreter exit, before `multiprocessing` would join them forever.
+
+Elastic membership (`generator_autoscale`, driven by `elastic.py`), with the guarantees above kept:
+* `add_generator` starts a generator on a new id; the newest weights are queued first in its inbox, and updates sent
+  while it starts are replaced by the newest one when it is ready. Requests go only to `active_generators()`, which
+  it joins once ready: it never samples with weights older than those queued when it got its first request;
+* `retire_generator` takes a generator out of `active_generators()` at once; it gets `Shutdown` only once every
+  request it holds is answered (`check`), so no request is lost, and a retiring generator that dies is restarted and
+  re-sent its requests like any other. A retired generator's outbox is read until it exits (its last answers count).
+
+Processes are started from the main thread only (`start`, `check` which restarts, `add_generator`): a generator's
+parent-death signal is tied to the thread that spawned it. How a generator is started is the launcher's business:
+`processes.ProcessLauncher` (spawned processes, the default) or `ray_launcher.RayLauncher` (Ray actors,
+`generator_launcher='ray'`); both give the queue and process surface this pool uses.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing.util
+import queue
+import threading
+import time
+from typing import Callable
+
+from async_rlhf.pipeline.generator_pool import AckTracker
+from async_rlhf.errors import GeneratorFailed
+from async_rlhf.generation.pool.processes import ProcessLauncher, kill_all, see_log, stop_process
+from async_rlhf.experimental.tail_migration import TailMigration
+from async_rlhf.generation.engine.worker import GeneratorSpec
+from async_rlhf.errors import StageTimeout
+from async_rlhf.types import GenerationRequest, RolloutBatch, Shutdown, TailHandoff, WeightUpdate
+
+logger = logging.getLogger(__name__)
+
+
+class GeneratorPool:
+    """Generator processes on this machine (see `pool_protocol.GeneratorPoolProtocol`)."""
+
+    def __init__(self, specs: list[GeneratorSpec], on_rollouts: Callable[[RolloutBatch], None] | None,
+                 start_timeout: float, weight_sync_timeout: float, max_restarts: int = 3, launcher=None):
+        self.specs = list(specs)
+        self.on_rollouts = on_rollouts
+        self.start_timeout = start_timeout
+        self.weight_sync_timeout = weight_sync_timeout
+        self.max_restarts = max_restarts
+        self.launcher = launcher or ProcessLauncher()
+        boxes = [self.launcher.queues() for _ in self.specs]
+        self.inboxes = [b[0] for b in boxes]
+        self.outboxes = [b[1] for b in boxes]
+        self.processes = [self._process(*args) for args in zip(self.specs, self.inboxes, self.outboxes)]
+        self._merged: queue.Queue = queue.Queue()  # (generator index, incarnation, message) from every outbox
+        self._incarnation = [0] * len(self.specs)  # bumped at each restart; older messages are stale
+        self._joining: set[int] = set()  # added, not ready yet: no requests, no weights until ready
+        self._retiring: dict[int, float] = {}  # taken out of service -> time Shutdown was sent (0: still draining)
+        self.retired: dict[int, float] = {}  # generator -> time its process was seen gone
+        self._sent_version: dict[int, int] = {}  # joining generator -> version queued to it at spawn
+        self.answered: dict[int, list[int]] = {}  # generator -> [parts answered, oldest policy_version among them]
+        self.acks = AckTracker([s.generator_id for s in self.specs], self.specs[0].initial_version,
+                               weight_sync_timeout)
+        self.restarts = {s.generator_id: 0 for s in self.specs}
+        self._in_flight: dict[int, dict[tuple[int, int], GenerationRequest]] = {s.generator_id: {} for s in self.specs}
+        self._last_update: WeightUpdate | None = None
+        self.tail = TailMigration(0)  # `tail_migration`: set by `pools.make_pool` before `start`
+        self._starting: dict[int, float] = {}  # generator -> time a restart was spawned (until Ready)
+        self._errors: dict[int, str] = {}  # generator -> last error reported
+        self._lock = threading.Lock()
+        self._stop = threading.Event()  # close() began: the reader stops
+        self._stopping = threading.Event()  # begin_stop() or close() was called: no more restarts
+        self._reader: threading.Thread | None = None
+        self._spawned_at: float | None = None  # time.monotonic() of `spawn`
+        self.start_seconds = 0.0  # spawn -> every engine up
+        self.start_wait_seconds = 0.0  # of which the caller of `start` waited (the rest overlapped its own work)
+        # runs before multiprocessing's exit handler terminates (SIGTERM, ignored) and joins daemonic children
+        self._kill_at_exit = multiprocessing.util.Finalize(self, kill_all, args=(self.processes,), exitpriority=10)
+
+    def _process(self, spec: GeneratorSpec, inbox, outbox):
+        return self.launcher.process(spec, inbox, outbox)
+
+    @property
+    def num_generators(self) -> int:
+        return len(self.active_generators())
+
+    def active_generators(self) -> list[int]:
+        """Generators that take requests: started and ready, not retiring or retired (restarting ones included:
+        their requests wait in their inbox)."""
+        with self._lock:
+            out = set(self._joining) | set(self._retiring) | set(self.retired)
+        return [s.generator_id for s in self.specs if s.generator_id not in out]
+
+    def joining(self) -> list[int]:
+        """Generators added and not ready yet."""
+        with self._lock:
+            return sorted(self._joining)
+
+    def settled(self) -> bool:
+        """No generator is joining or retiring."""
+        with self._lock:
+            return not self._joining and not self._retiring
+
+    def _forward(self, i: int) -> None:
+        """Start the thread that moves generator i's current outbox into `_merged`, tagged with its incarnation."""
+        outbox, incarnation = self.outboxes[i], self._incarnation[i]
+
+        def forward():
+            while not self._stop.is_set() and self._incarnation[i] == incarnation:
+                try:
+                    msg = outbox.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                except (EOFError, OSError, ValueError):
+                    return
+                self._merged.put((i, incarnation, msg))
+
+        threading.Thread(target=forward, name=f"async_rlhf-outbox-{i}.{incarnation}", daemon=True).start()
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------
+    def spawn(self) -> None:
+        """Start every generator process and return at once; `start` waits for their engines."""
+        if self._spawned_at is not None:
+            return
+        self._spawned_at = time.monotonic()
+        for i, p in enumerate(self.processes):
+            p.start()
+            self._forward(i)
+
+    def start(self) -> None:
+        """Spawn (unless `spawn` was called) and wait until every engine is up; `on_rollouts` must be set by then."""
+        if self.on_rollouts is None:
+            raise ValueError("GeneratorPool.start: on_rollouts is not set")
+        self.spawn()
+        t0, waited_from = self._spawned_at, time.monotonic()
+        ready: set[int] = set()
+        while len(ready) < len(self.specs):
+            left = self.start_timeout - (time.monotonic() - t0)
+            if left <= 0:
+                missing = [s.generator_id for s in self.specs if s.generator_id not in ready]
+                raise StageTimeout(f"generator start: generator(s) {missing} not ready within "
+                                   f"{self.start_timeout:.0f}s of being spawned (raise generator_start_timeout if the engine is slow)")
+            try:
+                _, _, msg = self._merged.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                for spec, p in zip(self.specs, self.processes):
+                    if p.exitcode is not None:
+                        raise GeneratorFailed(f"generator {spec.generator_id} ({spec.device}) exited with code "
+                                              f"{p.exitcode} during start-up{see_log(spec)}")
+                continue
+            if msg.kind == "ready":
+                ready.add(msg.generator_id)
+            elif msg.kind == "error":
+                raise GeneratorFailed(f"generator {msg.generator_id} failed to start:\n{msg.message}"
+                                      f"{see_log({s.generator_id: s for s in self.specs}[msg.generator_id])}")
+        self.start_seconds = time.monotonic() - t0
+        self.start_wait_seconds = time.monotonic() - waited_from
+        self._reader = threading.Thread(target=self._read, name="async_rlhf-rollout-reader", daemon=True)
+        self._reader.start()
+
+    def begin_stop(self) -> None:
+        """The run is stopping: restart no generator from now on (sets a flag only, so safe in a signal handler)."""
+        self._stopping.set()
+
+    def close(self, timeout: float = 20.0) -> None:
+        self._stopping.set()
+        self._stop.set()
+        for inbox, p in zip(self.inboxes, self.processes):
+            if p.is_alive():
+                try:
+                    inbox.put(Shutdown())
+                except (ValueError, OSError):
+                    pass
+        # a pool never started (spawned early by a trainer that was not trained, or failed to build): its generators
+        # are still starting, and read no inbox until their engine is up, so they are killed at once
+        deadline = time.monotonic() + (timeout if self._reader is not None else 0.0)
+        for p in self.processes:
+            stop_process(p, max(0.0, deadline - time.monotonic()))
+        if self._reader is not None:
+            self._reader.join(5.0)
+        for q in [*self.inboxes, *self.outboxes]:
+            q.cancel_join_thread()  # never block interpreter exit on unflushed queue data
+            q.close()
+        self._kill_at_exit()  # nothing left to kill: only drops the exit hook
+        self.launcher.close()
+
+    # ---- elastic membership (main thread) ------------------------------------------------------------------
+    def add_generator(self, spec: GeneratorSpec) -> None:
+        """Start one more generator (`spec.generator_id` must be the next id). It joins `active_generators()` once
+        ready, with the newest weights queued ahead of any request."""
+        if spec.generator_id != len(self.specs):
+            raise ValueError(f"add_generator: generator id {spec.generator_id}, expected {len(self.specs)}")
+        if self._stopping.is_set():
+            return
+        inbox, outbox = self.launcher.queues()
+        with self._lock:
+            gid = spec.generator_id
+            self.specs.append(spec)
+            self.inboxes.append(inbox)
+            self.outboxes.append(outbox)
+            self.processes.append(self._process(spec, inbox, outbox))
+            self._incarnation.append(0)
+            self.restarts[gid] = 0
+            self._in_flight[gid] = {}
+            self._joining.add(gid)
+            self._starting[gid] = time.monotonic()
+            self.acks.add(gid, spec.initial_version)
+            update = self._last_update
+            self._sent_version[gid] = spec.initial_version
+            if update is not None:
+                self._sent_version[gid] = update.version
+                self.acks.sent(gid, update.version)
+                inbox.put(update)
+        self.processes[gid].start()
+        self._forward(gid)
+
+    def retire_generator(self, generator_id: int) -> None:
+        """Take a generator out of service now; `check` shuts it down once its requests are answered."""
+        with self._lock:
+            if generator_id in self._retiring or generator_id in self.retired:
+                return
+            self._retiring[generator_id] = 0.0
+
+    def advance_retiring(self, now: float) -> None:
+        """Shut down retiring generators whose requests are all answered; record those gone, SIGKILL the overdue."""
+        with self._lock:
+            drained = [g for g, t in self._retiring.items() if t == 0.0 and not self._in_flight[g]
+                       and g not in self._starting]
+            for g in drained:
+                self._retiring[g] = now
+                self.acks.remove(g)  # no more updates go to it, none is awaited from it
+                self.inboxes[g].put(Shutdown())
+            sent = [(g, t) for g, t in self._retiring.items() if t > 0.0]
+        for g, t in sent:
+            p = self.processes[g]
+            if p.exitcode is None and now - t > self.start_timeout:
+                stop_process(p, 0.0)
+            if p.exitcode is not None:
+                with self._lock:
+                    del self._retiring[g]
+                    self.retired[g] = now
+
+    # ---- messages --------------------------------------------------------------------------------------
+    def send_weights(self, update: WeightUpdate) -> None:
+        with self._lock:
+            self._last_update = update
+            for spec, inbox in zip(self.specs, self.inboxes):
+                gid = spec.generator_id
+                if gid in self._joining or gid in self.retired or self._retiring.get(gid, 0.0) > 0.0:
+                    continue  # joining: gets the newest when ready; shut down: gets nothing more
+                self.acks.sent(gid, update.version)
+                inbox.put(update)
+
+    def send_request(self, generator_id: int, request: GenerationRequest) -> None:
+        with self._lock:
+            self._in_flight[generator_id][(request.batch_id, request.chunk)] = request
+            self.inboxes[generator_id].put(request)
+
+    # ---- tail migration (reader thread; `tail.py`) --------------------------------------------------------
+    def _hand_over_tail(self, batch_id: int) -> None:
+        with self._lock:
+            for holder, (b, chunk), _ in self.tail.plan(batch_id, self._in_flight, self._starting):
+                self.inboxes[holder].put(TailHandoff(b, chunk))
+
+    def _migrated(self, msg) -> None:
+        """A holder gave a request back mid-way: it goes on on the hand-over's target (in flight there from now)."""
+        key = (msg.request.batch_id, msg.request.chunk)
+        with self._lock:
+            target = self.tail.arrived(key, msg.tokens)
+            if target is None or self._in_flight[msg.generator_id].pop(key, None) is None:
+                return
+            self._in_flight[target][key] = msg.request
+            self.inboxes[target].put(msg.request)
+
+    # ---- health --------------------------------------------------------------------------------------
+    def check(self) -> None:
+        """Restart dead generators; raise if one failed for good or a stage is overdue. Main thread only."""
+        now = time.monotonic()
+        with self._lock:
+            starting = dict(self._starting)
+        self.acks.overdue(exempt=starting)
+        for gid, since in starting.items():
+            if now - since > self.start_timeout:
+                raise StageTimeout(f"generator start: restarted or added generator {gid} not ready within "
+                                   f"{self.start_timeout:.0f}s")
+        self.advance_retiring(now)
+        for i, (spec, p) in enumerate(zip(self.specs, self.processes)):
+            if p.exitcode is None or self._retiring.get(i, 0.0) > 0.0 or i in self.retired:
+                continue
+            if self._stopping.is_set():
+                raise GeneratorFailed(f"generator {spec.generator_id} ({spec.device}) exited with code {p.exitcode} "
+                                      f"while the run was stopping; not restarted. Last error:\n"
+                                      f"{self._errors.get(spec.generator_id) or '(none reported)'}{see_log(spec)}")
+            self._restart(i, f"exited with code {p.exitcode}")
+
+    def _restart(self, i: int, reason: str) -> None:
+        spec = self.specs[i]
+        gid = spec.generator_id
+        if self.restarts[gid] >= self.max_restarts:
+            deadline = time.monotonic() + 2.0  # its report was sent before it exited; the reader may not have it yet
+            while gid not in self._errors and time.monotonic() < deadline:
+                time.sleep(0.05)
+            raise GeneratorFailed(f"generator {gid} ({spec.device}) {reason}; restarts exhausted "
+                                  f"({self.max_restarts}). Last error:\n{self._errors.get(gid) or '(none reported)'}"
+                                  f"{see_log(spec)}")
+        self.restarts[gid] += 1
+        logger.warning("generator %d (%s) %s; restarting (%d/%d) and re-issuing %d request(s)", gid, spec.device,
+                       reason, self.restarts[gid], self.max_restarts, len(self._in_flight[gid]))
+        stop_process(self.processes[i], 5.0)
+        self.inboxes[i].cancel_join_thread()
+        self.outboxes[i].cancel_join_thread()
+        inbox, outbox = self.launcher.queues()
+        with self._lock:
+            update = self._last_update
+            version = update.version if update is not None else spec.initial_version
+            self._incarnation[i] += 1  # the old outbox's forwarder stops; its messages still queued are stale
+            self.inboxes[i], self.outboxes[i] = inbox, outbox
+            self.processes[i] = self._process(spec, inbox, outbox)
+            self._starting[gid] = time.monotonic()
+            self.acks.reset(gid, spec.initial_version)
+            if update is not None:  # FIFO: the newest weights load before any re-issued request
+                self.acks.sent(gid, version)
+                inbox.put(update)
+            if gid in self._joining:
+                self._sent_version[gid] = version
+            for request in sorted(self._in_flight[gid].values(), key=lambda r: (r.batch_id, r.chunk)):
+                inbox.put(request)
+        self.processes[i].start()
+        self._forward(i)
+
+    # ---- reader thread -----------------------------------------------------------------------------------
+    def _read(self) -> None:
+        while not self._stop.is_set():
+            try:
+                i, incarnation, msg = self._merged.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if msg.kind == "error":  # the process exits next; `check` restarts it
+                with self._lock:
+                    self._errors[msg.generator_id] = msg.message
+                continue
+            if incarnation != self._incarnation[i]:  # from a process already replaced
+                continue
+            if msg.kind == "rollouts":
+                with self._lock:  # a request answered twice (sent before a crash, then re-issued) counts once
+                    fresh = self._in_flight[msg.generator_id].pop((msg.batch_id, msg.chunk), None) is not None
+                    if fresh:
+                        count, oldest = self.answered.get(msg.generator_id, [0, msg.policy_version])
+                        self.answered[msg.generator_id] = [count + 1, min(oldest, msg.policy_version)]
+                        self.tail.answered((msg.batch_id, msg.chunk))
+                if fresh:
+                    self.on_rollouts(msg)
+                    self._hand_over_tail(msg.batch_id)
+                continue
+            if msg.kind == "migrated":
+                self._migrated(msg)
+                continue
+            if msg.kind == "weights_loaded":
+                self.acks.acknowledged(msg.generator_id, msg.version, msg.seconds, msg.busy_seconds)
+                continue
+            if msg.kind == "ready":
+                gid = msg.generator_id
+                with self._lock:
+                    self._starting.pop(gid, None)
+                    if gid in self._joining:  # updates sent while it started were held back: the newest now
+                        update = self._last_update
+                        if update is not None and update.version > self._sent_version[gid]:
+                            self.acks.sent(gid, update.version)
+                            self.inboxes[gid].put(update)
+                        self._joining.discard(gid)

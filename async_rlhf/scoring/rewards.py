@@ -1,0 +1,243 @@
+"""Scoring completions: a batch's rows become `ScoredGroup`s; reward models, reward functions, their weighted sum,
+penalties and failure policy; picking the best and worst completion of a group.
+
+A reward function is either a callable `f(prompts, completions, completion_ids, **columns) -> list[float|None]`
+(TRL's convention: text in, one score per completion), a sequence-classification model (its logit 0 on
+prompt + completion text), or a path to such a model. Several are combined with `reward_weights`.
+
+Bad rewards (an exception, None, NaN or inf) follow `reward_failure`: "raise" fails naming the function and
+the prompt id; "skip" marks the sample invalid (its score becomes NaN) and counts it. A function that raises under
+"skip" is logged (a warning with its exception and traceback) the first time, and every call it raises on is counted
+in `raised[name]` (metric `rewards/<name>/raised`), so a reward that always fails cannot silently train on nothing.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+from typing import Any, Callable
+
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
+
+from async_rlhf.data.prompts import prompt_text
+from async_rlhf.scoring.reward_prefix import shared_prefix_scores, supports_shared_prefix
+from async_rlhf.types import RolloutBatch, ScoredGroup
+from async_rlhf.errors import RewardError
+
+
+logger = logging.getLogger(__name__)
+
+
+def reward_name(func) -> str:
+    if isinstance(func, PreTrainedModel):
+        return func.config._name_or_path.rstrip("/").split("/")[-1] or type(func).__name__
+    return getattr(func, "__name__", type(func).__name__)
+
+
+class RewardScorer:
+    def __init__(self, reward_funcs, reward_weights=None, reward_processing_classes=None,
+                 missing_eos_penalty: float | None = None, failure: str = "raise", device="cpu", prepare_model=None,
+                 shared_prefix: bool = False):
+        """`prepare_model(model) -> callable model` places a reward model (the trainer passes one that wraps it in a
+        DeepSpeed inference engine under DeepSpeed); default: move it to `device`. `shared_prefix`: a reward model
+        runs the tokens a prompt's completions share once (`scoring/reward_prefix.py`), where the model allows it."""
+        funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        if not funcs or any(f is None for f in funcs):
+            raise ValueError("reward_funcs: at least one reward function or reward model is required")
+        procs = reward_processing_classes
+        procs = procs if isinstance(procs, (list, tuple)) else [procs] * len(funcs)
+        self.funcs: list[Any] = []
+        self.tokenizers: list[Any] = []
+        self.is_model: list[bool] = []
+        self.names: list[str] = []
+        for f, proc in zip(funcs, procs):
+            if isinstance(f, str):
+                proc = proc or AutoTokenizer.from_pretrained(f)
+                f = AutoModelForSequenceClassification.from_pretrained(f, num_labels=1)
+            is_model = isinstance(f, PreTrainedModel)
+            self.names.append(reward_name(f))
+            if is_model:
+                proc = proc or AutoTokenizer.from_pretrained(f.config._name_or_path)
+                if proc.pad_token_id is None:  # as TRL: pad with EOS, and tell the model which id pads (it scores
+                    proc.pad_token = proc.eos_token  # the last non-pad token of each row)
+                f.config.get_text_config().pad_token_id = proc.pad_token_id
+                f = prepare_model(f) if prepare_model else f.to(device).eval().requires_grad_(False)
+            elif not callable(f):
+                raise TypeError(f"reward_funcs: {f!r} is not a callable, a model or a path")
+            self.funcs.append(f)
+            self.tokenizers.append(proc)
+            self.is_model.append(is_model)
+        weights = reward_weights if reward_weights is not None else [1.0] * len(self.funcs)
+        if len(weights) != len(self.funcs):
+            raise ValueError(f"reward_weights: {len(weights)} weight(s) for {len(self.funcs)} reward function(s)")
+        self.weights = torch.tensor(weights, dtype=torch.float32)
+        self.missing_eos_penalty = missing_eos_penalty
+        self.failure = failure
+        self.device = device
+        self.shared_prefix = shared_prefix
+        self.skipped = 0
+        self.raised: collections.Counter[str] = collections.Counter()  # reward name -> calls that raised ("skip")
+
+    @torch.no_grad()
+    def _model_scores(self, model, tokenizer, prompts: list[str], completions: list[str]) -> list[float]:
+        texts = [p + c for p, c in zip(prompts, completions)]
+        if self.shared_prefix and supports_shared_prefix(model):
+            rows = tokenizer(texts, truncation=True)["input_ids"]
+            scores = shared_prefix_scores(model, rows, prompts, self.device)
+            if scores is not None:
+                return scores
+        enc = tokenizer(texts, return_tensors="pt", padding=True, truncation=True).to(self.device)
+        return model(**enc).logits[:, 0].float().tolist()
+
+    def score(self, prompts: list[str], completions: list[str], completion_ids: list[list[int]],
+              finished: list[bool], prompt_ids: list[int], columns: dict[str, list] | None = None):
+        """Returns (scores [N] float tensor, NaN where skipped; per-function raw scores {name: [N]})."""
+        per_func: dict[str, list[float]] = {}
+        total = torch.zeros(len(completions))
+        for func, tok, name, w, is_model in zip(self.funcs, self.tokenizers, self.names, self.weights, self.is_model):
+            try:
+                if is_model:
+                    values = self._model_scores(func, tok, prompts, completions)
+                else:
+                    values = func(prompts=prompts, completions=completions, completion_ids=completion_ids,
+                                  **(columns or {}))
+            except Exception as exc:
+                if self.failure == "raise":
+                    raise RewardError(f"reward function {name!r} raised on prompt ids {sorted(set(prompt_ids))}: "
+                                      f"{type(exc).__name__}: {exc}") from exc
+                if not self.raised[name]:
+                    logger.warning("reward function %r raised (reward_failure='skip': its samples are dropped; "
+                                   "further failures are counted in rewards/%s/raised, not logged): %s: %s",
+                                   name, name, type(exc).__name__, exc, exc_info=exc)
+                self.raised[name] += 1
+                values = [None] * len(completions)
+            if len(values) != len(completions):
+                raise RewardError(f"reward function {name!r} returned {len(values)} scores for "
+                                  f"{len(completions)} completions")
+            clean = []
+            for v, pid in zip(values, prompt_ids):
+                bad = v is None or not math.isfinite(float(v))
+                if bad and self.failure == "raise":
+                    raise RewardError(f"reward function {name!r} returned {v!r} for prompt id {pid} "
+                                      "(set reward_failure='skip' to drop such samples)")
+                clean.append(float("nan") if bad else float(v))
+            per_func[name] = clean
+            total += w * torch.tensor(clean)
+        if self.missing_eos_penalty is not None:
+            total -= self.missing_eos_penalty * (~torch.tensor(finished)).float()
+        self.skipped += int(torch.isnan(total).sum())
+        return total, per_func
+
+
+
+def score_rows(batch: RolloutBatch, rows: range, scorer: RewardScorer, tokenizer,
+               dataset_row: Callable[[int], dict]) -> tuple[list[ScoredGroup], dict[str, float]]:
+    """The prompts `rows` of `batch` with their completions scored, and this scoring's metrics. A batch that arrives
+    already scored (`batch.rewards`, see `score_part`) is not scored again.
+
+    `dataset_row(prompt_id)` returns the prompt's dataset row: its `prompt` (text or chat messages) is what the
+    reward sees (the exact text the policy was conditioned on), every other column is passed to reward functions
+    by name, as TRL does. Metrics: `rewards/<name>/mean` per reward function (finite scores only),
+    `val/contain_eos_token`, `generator/completion_length`."""
+    eos = tokenizer.eos_token_id
+    if batch.rewards:
+        scores = [_nan(v) for r in rows for v in batch.rewards[r]]
+        per_func = {name: [_nan(v) for r in rows for v in values[r]] for name, values in batch.reward_components.items()}
+    else:
+        scores, per_func = _score(batch, rows, scorer, tokenizer, dataset_row)
+    completions = [c for r in rows for c in batch.completions[r]]
+    finished = [_finished(c, eos) for c in completions]
+    metrics = {}
+    for name, values in per_func.items():
+        finite = [v for v in values if math.isfinite(v)]
+        metrics[f"rewards/{name}/mean"] = sum(finite) / len(finite) if finite else 0.0
+    for name, count in scorer.raised.items():
+        metrics[f"rewards/{name}/raised"] = float(count)  # cumulative, on the rank that scored
+    metrics["val/contain_eos_token"] = sum(finished) / len(finished)
+    metrics["generator/completion_length"] = sum(len(c.token_ids) for c in completions) / len(completions)
+    n = len(batch.completions[rows[0]]) if len(rows) else 0
+    groups = [ScoredGroup(prompt_id=batch.prompt_ids[r], prompt_token_ids=batch.prompt_token_ids[r],
+                          completions=batch.completions[r], rewards=scores[i * n:(i + 1) * n],
+                          policy_version=batch.policy_version)
+              for i, r in enumerate(rows)]
+    return groups, metrics
+
+
+def score_part(part: RolloutBatch, scorer: RewardScorer, tokenizer, dataset_row: Callable[[int], dict]) -> RolloutBatch:
+    """`part` with every completion scored (`rewards`, `reward_components`; None where skipped): what learner rank 0
+    does as each part arrives while the rest of the batch is still being generated (inter-stage fusion)."""
+    rows = range(len(part.prompt_ids))
+    scores, per_func = _score(part, rows, scorer, tokenizer, dataset_row)
+
+    def shaped(values: list[float]) -> list[list[float | None]]:
+        out, i = [], 0
+        for group in part.completions:
+            out.append([None if math.isnan(v) else v for v in values[i:i + len(group)]])
+            i += len(group)
+        return out
+
+    return dataclasses.replace(part, rewards=shaped(scores),
+                               reward_components={name: shaped(v) for name, v in per_func.items()})
+
+
+def score_parts(parts: list[RolloutBatch], scorer: RewardScorer, tokenizer,
+                dataset_row: Callable[[int], dict]) -> list[RolloutBatch]:
+    """`score_part` for several parts in one call of each reward function (one reward-model forward over all their
+    samples, instead of one per part): what the scoring thread does with every part that arrived while it was busy."""
+    if len(parts) == 1:
+        return [score_part(parts[0], scorer, tokenizer, dataset_row)]
+    merged = RolloutBatch(batch_id=0, generator_id=-1, policy_version=0,
+                          prompt_ids=[i for p in parts for i in p.prompt_ids],
+                          prompt_token_ids=[t for p in parts for t in p.prompt_token_ids],
+                          completions=[g for p in parts for g in p.completions], seconds=0.0)
+    scored = score_part(merged, scorer, tokenizer, dataset_row)
+    out, start = [], 0
+    for p in parts:
+        end = start + len(p.prompt_ids)
+        out.append(dataclasses.replace(p, rewards=scored.rewards[start:end], reward_components={
+            name: values[start:end] for name, values in scored.reward_components.items()}))
+        start = end
+    return out
+
+
+def _score(batch: RolloutBatch, rows: range, scorer: RewardScorer, tokenizer,
+           dataset_row: Callable[[int], dict]) -> tuple[list[float], dict[str, list[float]]]:
+    """(combined score per completion of `rows`, NaN where skipped; each reward function's raw scores)."""
+    eos = tokenizer.eos_token_id
+    prompts, completions, comp_ids, finished, pids = [], [], [], [], []
+    columns: dict[str, list] = {}
+    for r in rows:
+        pid = batch.prompt_ids[r]
+        row = dataset_row(pid)
+        text = prompt_text(row["prompt"], tokenizer)
+        for c in batch.completions[r]:
+            prompts.append(text)
+            completions.append(tokenizer.decode(c.token_ids, skip_special_tokens=True))
+            comp_ids.append(c.token_ids)
+            finished.append(_finished(c, eos))
+            pids.append(pid)
+            for name, value in row.items():
+                if name != "prompt":
+                    columns.setdefault(name, []).append(value)
+    scores, per_func = scorer.score(prompts, completions, comp_ids, finished, pids, columns)
+    return scores.tolist(), per_func
+
+
+def _finished(c, eos: int) -> bool:
+    return c.finish_reason == "stop" or (len(c.token_ids) > 0 and c.token_ids[-1] == eos)
+
+
+def _nan(v: float | None) -> float:
+    return float("nan") if v is None else v
+
+
+def best_and_worst(rewards: list[float]) -> tuple[int, int] | None:
+    """Indices of the highest and the lowest finite reward (among equal rewards: the last as best, the first as
+    worst), or None when no reward is finite. Online DPO's chosen/rejected pair; Best-of-N's best."""
+    valid = [(r, i) for i, r in enumerate(rewards) if math.isfinite(r)]
+    if not valid:
+        return None
+    return max(valid)[1], min(valid)[1]

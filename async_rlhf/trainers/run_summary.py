@@ -1,0 +1,103 @@
+"""The end-of-run summary: what `run_summary.json` holds and the lines printed at the end of training.
+
+Built on rank 0 from the pipeline's counters (time generating, training, waiting, syncing; the staleness histogram
+of trained batches; drops, regenerations, restarts) and the last logged learner metrics. Sweeps and benchmarks
+read the JSON; a person reads the printed block. Its last line compares the measured step time with the simulator's
+prediction from the run's own stage times and names a predicted-faster configuration if any (`plan/feedback.py`).
+"""
+
+from __future__ import annotations
+
+from async_rlhf.plan.feedback import feedback, format_feedback
+from async_rlhf.trainers.startup import StartupTimeline
+
+FINAL_METRICS = ("objective/scores", "objective/kl", "objective/rlhf_reward", "loss")
+
+
+def _speculative(args, stats: dict) -> dict:
+    """The method and, with speculation, its counters: {"method": "off"} without (`pipeline_records.py`)."""
+    out = {"method": getattr(args, "speculative", "off")}
+    if out["method"] != "off":
+        out["num_speculative_tokens"] = args.num_speculative_tokens
+        out.update({k.removeprefix("generator/spec_"): v for k, v in stats.items() if k.startswith("generator/spec_")})
+    return out
+
+
+def build_summary(pipeline, args, accelerator, steps: int, wall: float, loop_seconds: float,
+                  rewards_skipped: int, last_metrics: dict[str, float]) -> dict:
+    p = pipeline
+    stats = p.stats()
+    summary = {
+        "steps": steps,
+        "prompts": steps * args.prompts_per_step,
+        "samples": steps * args.prompts_per_step * args.num_generations,
+        "wall_seconds": wall,
+        "loop_seconds": loop_seconds,
+        "generator_start_seconds": p.start_seconds,  # spawned -> ready (spawned while the trainer was built)
+        "generator_start_wait_seconds": p.start_wait_seconds,  # of which the learner waited, in train()
+        "generate_seconds": p.gen_seconds,
+        "train_seconds": loop_seconds - p.timers["wait"],  # learner busy: all but waiting for rollouts
+        "wait_seconds": p.timers["wait"],
+        "sync_seconds": p.timers["sync_gather"] + p.timers["sync_transfer"],
+        "sync_load_seconds": stats.get("sync/load_seconds", 0.0),
+        "sync_bytes": p.sync_bytes,
+        "generators": len(args.generator_servers or args.generator_devices),  # at start (autoscale: see below)
+        "generator_versions": p.loaded_versions,
+        "generator_autoscale": p.autoscale,  # decisions and each generator's answers (experimental/elastic.py); {}: off
+        "generation_mode": "stream" if args.streaming else "batch",
+        "generator_busy_seconds": p.busy_seconds,  # as of each generator's last weight acknowledgement
+        "generated_tokens": p.gen_tokens,
+        "rollout_latency_seconds": p.latency[0],  # summed over batches: dispatch -> complete batch queued
+        "handoff_seconds": p.latency[1],  # summed over batches: last part received on rank 0 -> batch queued
+        "timed_batches": p.latency[2],
+        "syncs": p.syncs,
+        "scoring_seconds": stats.get("scoring/seconds", 0.0),  # rank 0's scoring thread (score_while_generating)
+        "scoring_hidden_fraction": stats.get("scoring/hidden_fraction"),  # of it, before a batch's last part landed
+        "early_micro_batches": stats.get("learner/early_micro_batches"),  # train_while_generating: trained before
+        # their batch was complete (None: off)
+        "completion_length_counts": {int(k): v for k, v in sorted(p.length_counts.items())},
+        "speculative": _speculative(args, stats),
+        "generator_imbalance": {k.split("/")[1]: v for k, v in stats.items() if k.startswith("generator/imbalance")},
+        "staleness_histogram": {int(k): v for k, v in sorted(p.queue.staleness_counts.items())},
+        "dropped": p.queue.dropped,
+        "generator_restarts": p.restarts,
+        "regenerated": p.regenerated,
+        "rewards_skipped": rewards_skipped,
+        "max_staleness": args.max_staleness,
+        "sync_every": args.sync_every,
+        "learners": {"processes": accelerator.num_processes,
+                     "distributed_type": accelerator.distributed_type.value,
+                     "zero_stage": getattr(accelerator.state.deepspeed_plugin, "zero_stage", None)},
+        "final": {k: v for k, v in last_metrics.items() if k in FINAL_METRICS},
+    }
+    if p.partial is not None:  # partial rollouts: groups carried across steps, and dropped for staleness
+        summary["partial_rollouts"] = {k.split("/")[1]: v for k, v in stats.items() if k.startswith("partial/")}
+    if args.tail_migration:  # requests handed to one generator at a batch's tail (`experimental/tail_migration.py`)
+        summary["tail_migration"] = {k.split("/")[1][5:]: v for k, v in stats.items() if k.startswith("generator/tail_")}
+    # the simulator fed with this run's stage times: its predicted step time, and a faster set-up if it finds one
+    summary["plan"] = feedback(summary, args, accelerator.num_processes)
+    return summary
+
+
+def _format_speculative(sp: dict) -> str:
+    return (f"speculative {sp['method']} ({sp['num_speculative_tokens']} draft tokens): acceptance "
+            f"{sp.get('acceptance_rate', 0):.2f} | mean accepted length {sp.get('mean_accepted_length', 0):.2f} | "
+            f"drafted {sp.get('drafted_tokens', 0):.0f} tokens, wasted {sp.get('wasted_tokens', 0):.0f}")
+
+
+def format_summary(s: dict) -> str:
+    hist = ", ".join(f"{k}: {v}" for k, v in s["staleness_histogram"].items()) or "none"
+    final = ", ".join(f"{k} {v:.4g}" for k, v in s["final"].items())
+    return "\n".join([
+        "=== async_rlhf run summary ===",
+        f"steps {s['steps']} | prompts {s['prompts']} | samples {s['samples']} | wall {s['wall_seconds']:.1f}s "
+        f"(generator start {s['generator_start_seconds'] or 0:.1f}s, {s.get('generator_start_wait_seconds') or 0:.1f}s of it "
+        "waited in train())",
+        f"time: generating {s['generate_seconds']:.1f}s | training {s['train_seconds']:.1f}s | learner waiting "
+        f"{s['wait_seconds']:.1f}s | syncing {s['sync_seconds']:.2f}s (+{s['sync_load_seconds']:.2f}s loading in "
+        f"generators, {s['sync_bytes'] / 1e6:.1f} MB)",
+        f"staleness histogram (steps behind: batches) {{{hist}}} | bound {s['max_staleness']} | dropped "
+        f"{s['dropped']} | regenerated {s['regenerated']} | rewards skipped {s['rewards_skipped']}",
+        f"final: {final}",
+    ] + ([_format_speculative(s["speculative"])] if s.get("speculative", {}).get("method", "off") != "off" else [])
+      + ([StartupTimeline.format(s["startup"])] if s.get("startup") else []) + ([format_feedback(s["plan"])] if s.get("plan") else []))
