@@ -254,13 +254,13 @@ class RolloutBatch:
     def from_dict(cls, d) -> RolloutBatch:
         """The one reader of `to_dict()`'s output: checkpoints, other learner ranks and the network all use it."""
         if isinstance(d, dict):  # written before rewards (then origins) could travel with the rollouts
-            d = {"rewards": [], "reward_components": {}, "origins": [], **d}
+            d = {"rewards": [], "reward_components": {}, "origins": [], "spec": {}, **d}
         scores = list_of(list_of(optional(number)))
         f = check_fields(d, "rollouts", {
             "batch_id": nonneg, "generator_id": integer, "policy_version": nonneg, "prompt_ids": list_of(nonneg),
             "prompt_token_ids": list_of(list_of(nonneg)), "completions": list_of(list_of(Completion.from_dict)),
             "seconds": number, "chunk": nonneg, "num_chunks": nonneg, "rewards": scores,
-            "reward_components": dict_of(scores), "origins": list_of(list_of(nonneg))},
+            "reward_components": dict_of(scores), "origins": list_of(list_of(nonneg)), "spec": dict_of(nonneg)},
             ignore=("kind", "token"))
         if not len(f["prompt_ids"]) == len(f["prompt_token_ids"]) == len(f["completions"]):
             raise FieldError(f"rollouts: {len(f['prompt_ids'])} prompt ids, {len(f['prompt_token_ids'])} prompts and "

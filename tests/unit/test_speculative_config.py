@@ -83,3 +83,13 @@ def test_history_memory_is_bounded():
         _step(p, [[100 + s] + list(range(s, s + 9))], [[s + 8]])
     assert p._kept <= 50 and len(p._seqs) <= 5
     assert len(p._index) <= 2 * len(history_proposer.NGRAMS) * 50
+
+
+def test_auto_turns_speculation_on_only_where_it_pays():
+    from async_rlhf.generation.pool.speculative_choice import choose
+
+    off = {"tokens_per_s": 100.0}
+    assert choose({"off": off, "ngram": {"tokens_per_s": 104.0, "accepted_length": 0.1}}) == "off"  # < 1.05x
+    assert choose({"off": off, "ngram": {"tokens_per_s": 90.0}, "history": {"tokens_per_s": 150.0}}) == "history"
+    assert choose({"off": off, "history": {"error": "exit 1"}}) == "off"
+    assert choose({"off": {"error": "exit 1"}, "ngram": {"tokens_per_s": 150.0}}) == "off"

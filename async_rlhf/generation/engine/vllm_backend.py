@@ -29,6 +29,16 @@ dtype: vLLM's "auto" runs a float32 checkpoint in bfloat16 (CPU and GPU alike). 
 from exactly the learner's fp32 policy: on the tiny model bf16 behaviour log-probs differ from the transformers
 forward by up to 3e-3, float32 ones by 5e-7.
 
+Speculative decoding (`speculative`: "ngram", "suffix" or "history", `num_speculative_tokens` drafts per step; the
+options and their checks are in `async_rlhf/speculative.py`). vLLM proposes drafts, the policy scores them in one
+forward, and rejection sampling keeps each draft token with the policy's probability and resamples from the rest
+otherwise, so samples and behaviour log-probs are the policy's (vLLM computes every returned log-prob from the target
+logits of its position, accepted, resampled or bonus). On the CPU build that holds only with `spec_decode_cpu.py`
+(its expand kernel fix; checked here after the engine starts). vLLM's speculation counters are read with
+`spec_counters` (stats logging is on only when speculating). Weights must load only while the engine is empty
+(`weight_load="drain"`): on vLLM 0.32 CPU a sample running when weights loaded under speculation continued with
+log-probs of neither version (measured; docs/performance.md).
+
 Weight updates. "shm" goes through vLLM's native RL weight path: the engine is built with
 `weight_transfer_config={"backend": "async_rlhf_shm"}` (our backend, `weight_sync/vllm_shm_engine.py`, registered
 in the worker when it imports `vllm_worker_extension.py`), and `load_weights` hands the update to that backend's
