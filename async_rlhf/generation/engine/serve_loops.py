@@ -19,6 +19,7 @@ parent died (checked every second while idle); an exception leaves them for `wor
 from __future__ import annotations
 
 import collections
+import dataclasses
 import queue
 import time
 
@@ -101,5 +102,4 @@ def serve_stream(spec, backend, inbox, outbox, parent) -> bool:
             finished = engine.step(version)
             counters = _spec(backend) if finished else {}
             for rollouts in finished:
-                rollouts.spec = counters
-                outbox.put(rollouts)
+                outbox.put(dataclasses.replace(rollouts, spec=counters) if counters else rollouts)
