@@ -26,8 +26,8 @@ import torch
 
 pytest.importorskip("vllm")
 
-from async_rlhf.data.tiny_model import char_tokenizer, tiny_llama  # noqa: E402
-from async_rlhf.types import GenerationRequest, SamplingSettings  # noqa: E402
+from async_rlhf.data.tiny_model import char_tokenizer, tiny_llama
+from async_rlhf.types import GenerationRequest, SamplingSettings
 
 SCALE = 25.0  # output-layer scale: peaked distributions, repetitive samples, drafts that get accepted
 PROMPTS = [[2] + list(range(10 + p, 16 + p)) for p in range(16)]
@@ -164,7 +164,8 @@ def test_the_statistic_rejects_a_wrong_acceptance_rule(engine, policy, monkeypat
     groups = engine.generate(PROMPTS, s)
     monkeypatch.setattr(rejection_sampler, "rejection_sample", right)
     pvalue, z, z_guess = _statistics(policy[1], PROMPTS, groups, s, check_logprobs=False)
-    assert z_guess > 2 * Z_MAX, f"a wrong acceptance rule went unseen: KS p={pvalue:.2e}, z={z:.1f}, z_guess={z_guess:.1f}"
+    assert z_guess > 2 * Z_MAX, \
+        f"a wrong acceptance rule went unseen: KS p={pvalue:.2e}, z={z:.1f}, z_guess={z_guess:.1f}"
 
 
 def test_a_weight_load_between_speculative_requests(engine, policy, tmp_path):

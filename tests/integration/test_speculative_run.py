@@ -5,10 +5,10 @@ metrics and the run summary."""
 from __future__ import annotations
 
 import pytest
+from run_records import check_staleness_records
 
 from async_rlhf import AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer
 from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
-from run_records import check_staleness_records
 
 
 def test_a_run_with_history_drafts(tmp_path, tiny_model_dir):

@@ -9,8 +9,8 @@ import types
 import numpy as np
 import pytest
 
-from async_rlhf.errors import ConfigError
 from async_rlhf import speculative
+from async_rlhf.errors import ConfigError
 from async_rlhf.generation.engine import history_proposer
 from async_rlhf.generation.serve import speculative_argv
 

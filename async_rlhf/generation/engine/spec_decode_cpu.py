@@ -28,7 +28,7 @@ KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
 
 
 def expand(output: torch.Tensor, input_val: torch.Tensor, cu_num_tokens: torch.Tensor, replace_from, replace_to,
-           MAX_NUM_TOKENS=None) -> None:  # noqa: N803 (the Triton kernel's argument name)
+           MAX_NUM_TOKENS=None) -> None:
     """`output[cu[r-1]:cu[r]] = input_val[r]` for every request r (with `replace_from` replaced by `replace_to`),
     in `output`'s own dtype: what vLLM's Triton `expand_kernel` does."""
     cu = cu_num_tokens.to(torch.int64)

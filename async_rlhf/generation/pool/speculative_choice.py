@@ -96,7 +96,7 @@ def _measure(args, workload, method: str, dtype: str) -> dict:
     try:
         with open(log_path, "w") as log:
             done = subprocess.run([sys.executable, "-m", __name__, f.name], env=env, stdout=subprocess.PIPE,
-                                  stderr=log, text=True, timeout=PROBE_TIMEOUT)
+                                  stderr=log, text=True, timeout=PROBE_TIMEOUT, check=False)
         lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
         if done.returncode != 0 or not lines:
             return {"error": f"exit {done.returncode}, see {log_path}"}
