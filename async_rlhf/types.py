@@ -201,6 +201,9 @@ class RolloutBatch:
     # [P] [batch, index] of each group in the prompt stream, when a step's batch is gathered from groups of several
     # admitted batches (partial rollouts, `experimental/partial_rollouts.py`); empty: the groups are batch `batch_id`'s own
     origins: list[list[int]] = field(default_factory=list)
+    # the generator's cumulative speculative-decoding counters when it sent this (`VLLMBackend.spec_counters`: drafts,
+    # draft_tokens, accepted_tokens); empty: no speculation
+    spec: dict = field(default_factory=dict)
     kind = "rollouts"
 
     @property
@@ -266,13 +269,13 @@ class RolloutBatch:
     def from_dict(cls, d) -> RolloutBatch:
         """The one reader of `to_dict()`'s output: checkpoints, other learner ranks and the network all use it."""
         if isinstance(d, dict):  # written before rewards (then origins) could travel with the rollouts
-            d = {"rewards": [], "reward_components": {}, "origins": [], **d}
+            d = {"rewards": [], "reward_components": {}, "origins": [], "spec": {}, **d}
         scores = list_of(list_of(optional(number)))
         f = check_fields(d, "rollouts", {
             "batch_id": nonneg, "generator_id": integer, "policy_version": nonneg, "prompt_ids": list_of(nonneg),
             "prompt_token_ids": list_of(list_of(nonneg)), "completions": list_of(list_of(Completion.from_dict)),
             "seconds": number, "chunk": nonneg, "num_chunks": nonneg, "rewards": scores,
-            "reward_components": dict_of(scores), "origins": list_of(list_of(nonneg))},
+            "reward_components": dict_of(scores), "origins": list_of(list_of(nonneg)), "spec": dict_of(nonneg)},
             ignore=("kind", "token"))
         if not len(f["prompt_ids"]) == len(f["prompt_token_ids"]) == len(f["completions"]):
             raise FieldError(f"rollouts: {len(f['prompt_ids'])} prompt ids, {len(f['prompt_token_ids'])} prompts and "

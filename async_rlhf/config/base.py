@@ -21,6 +21,7 @@ from async_rlhf.config.checks import (
     check_dir,
     check_elastic,
     check_generator_servers,
+    check_speculative,
     check_staleness_bound,
     check_types,
     check_weight_transport,
@@ -118,6 +119,16 @@ class AsyncRLConfig(TrainingArguments):
                   "version and behaviour log-prob it was sampled with, and the staleness bound applies to the "
                   "oldest token)."},
     )
+    speculative: str = field(
+        default="off",
+        metadata={"help": "Speculative decoding in local vLLM generators (generation/speculative.py): 'off', 'ngram' "
+                  "(prompt lookup), 'suffix' (suffix trees; needs arctic-inference), 'history' (drafts from earlier "
+                  "completions of the same prompt in this run) or 'auto' (measured on the policy: the fastest, or off). "
+                  "Drafts are verified by rejection sampling: samples and behaviour log-probs stay the policy's. "
+                  "Needs weight_load 'drain'."},
+    )
+    num_speculative_tokens: int = field(
+        default=4, metadata={"help": "Draft tokens per step with speculative decoding (1-16)."})
     tail_migration: int = field(
         default=0,
         metadata={"help": "With several streaming generators: once at most this many prompt groups of a batch are "
@@ -385,6 +396,7 @@ class AsyncRLConfig(TrainingArguments):
         check_generator_servers(self)
         check_counts(self)
         check_staleness_bound(self)
+        check_speculative(self)
         check_elastic(self)
         check_combinations(self)
         check_dir("shm_dir", self.shm_dir)

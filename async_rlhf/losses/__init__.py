@@ -8,8 +8,15 @@ corrections), `rloo.py` (leave-one-out advantages and the RLOO loss), `grpo.py`
 
 from async_rlhf.losses.dpo import DPO_LOSS_TYPES, dpo_loss
 from async_rlhf.losses.grpo import grpo_advantages, grpo_loss
-from async_rlhf.losses.off_policy import (OFF_POLICY_MODES, importance_ess, log_ratio_stats, masked_importance_weights,
-                                         masked_mean, off_policy_weights, truncated_importance_weights)
+from async_rlhf.losses.off_policy import (
+                                         OFF_POLICY_MODES,
+                                         importance_ess,
+                                         log_ratio_stats,
+                                         masked_importance_weights,
+                                         masked_mean,
+                                         off_policy_weights,
+                                         truncated_importance_weights,
+)
 from async_rlhf.losses.ppo import gae_advantages, ppo_policy_loss, ppo_value_loss, whiten
 from async_rlhf.losses.rloo import kl_shaped_rewards, rloo_advantages, rloo_loss
 from async_rlhf.losses.sft import best_of_n_nll

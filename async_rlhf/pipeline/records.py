@@ -31,6 +31,7 @@ class PipelineRecords:
         self.loaded_versions: dict[int, int] = {}  # generator id -> last acknowledged version (kept after close)
         self.pending_versions: dict[int, list[int]] = {}  # generator id -> versions it never acknowledged (after close)
         self.restarts = 0
+        self.spec: dict[int, dict] = {}  # generator id -> its latest cumulative speculation counters
         self.schedule_summary: dict = {}  # the generator schedule's summary (autoscale decisions), kept after close
         self.imbalance = ImbalanceTally()  # generator/imbalance: max/mean tokens per generator
         self.length_counts: collections.Counter = collections.Counter()  # completion tokens: samples
@@ -48,6 +49,8 @@ class PipelineRecords:
         with self._lock:
             self.length_counts.update(len(c.token_ids) for group in part.completions for c in group)
             self._arrived_at[part.batch_id] = time.perf_counter()
+            if part.spec:
+                self.spec[part.generator_id] = part.spec
 
     def batch_assembled(self, batch_id: int, ordered: list[RolloutBatch], generators: int) -> None:
         """Every part of batch `batch_id` is in (`ordered`: its parts in chunk order)."""
@@ -103,4 +106,26 @@ class PipelineRecords:
             "sync/transfer_seconds": self.timers["sync_transfer"],
             "sync/load_seconds": self.load_seconds,
             "generator/busy_seconds": self.busy_seconds,
+            **(speculation_metrics(self.spec) if self.spec else {}),
         }
+
+
+def speculation_metrics(spec: dict[int, dict]) -> dict[str, float]:
+    """`generator/spec_*` from each generator's cumulative counters (drafts: steps that proposed a draft; a draft's
+    accepted length is its accepted tokens; wasted: proposed and rejected), summed and per generator."""
+    out = {}
+    for key, counters in [("", _summed(spec.values()))] + [(f"_{g}", c) for g, c in sorted(spec.items())]:
+        drafts, proposed, accepted = counters["drafts"], counters["draft_tokens"], counters["accepted_tokens"]
+        out[f"generator/spec_acceptance_rate{key}"] = accepted / proposed if proposed else 0.0
+        out[f"generator/spec_mean_accepted_length{key}"] = accepted / drafts if drafts else 0.0
+        out[f"generator/spec_drafted_tokens{key}"] = float(proposed)
+        out[f"generator/spec_wasted_tokens{key}"] = float(proposed - accepted)
+    return out
+
+
+def _summed(counters) -> dict[str, int]:
+    total = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
+    for c in counters:
+        for k in total:
+            total[k] += c.get(k, 0)
+    return total

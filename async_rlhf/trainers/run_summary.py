@@ -14,6 +14,15 @@ from async_rlhf.trainers.startup import StartupTimeline
 FINAL_METRICS = ("objective/scores", "objective/kl", "objective/rlhf_reward", "loss")
 
 
+def _speculative(args, stats: dict) -> dict:
+    """The method and, with speculation, its counters: {"method": "off"} without (`pipeline_records.py`)."""
+    out = {"method": getattr(args, "speculative", "off")}
+    if out["method"] != "off":
+        out["num_speculative_tokens"] = args.num_speculative_tokens
+        out.update({k.removeprefix("generator/spec_"): v for k, v in stats.items() if k.startswith("generator/spec_")})
+    return out
+
+
 def build_summary(pipeline, args, accelerator, steps: int, wall: float, loop_seconds: float,
                   rewards_skipped: int, last_metrics: dict[str, float], eval_seconds: float = 0.0) -> dict:
     """`loop_seconds`: the training loop as timed, periodic evaluations (`eval_seconds` of it) included; the summary's
@@ -52,6 +61,7 @@ def build_summary(pipeline, args, accelerator, steps: int, wall: float, loop_sec
         "early_micro_batches": stats.get("learner/early_micro_batches"),  # train_while_generating: trained before
         # their batch was complete (None: off)
         "completion_length_counts": {int(k): v for k, v in sorted(r.length_counts.items())},
+        "speculative": _speculative(args, stats),
         "generator_imbalance": {k.split("/")[1]: v for k, v in stats.items() if k.startswith("generator/imbalance")},
         "staleness_histogram": {int(k): v for k, v in sorted(p.queue.staleness_counts.items())},
         "dropped": p.queue.dropped,
@@ -78,6 +88,12 @@ def build_summary(pipeline, args, accelerator, steps: int, wall: float, loop_sec
     return summary
 
 
+def _format_speculative(sp: dict) -> str:
+    return (f"speculative {sp['method']} ({sp['num_speculative_tokens']} draft tokens): acceptance "
+            f"{sp.get('acceptance_rate', 0):.2f} | mean accepted length {sp.get('mean_accepted_length', 0):.2f} | "
+            f"drafted {sp.get('drafted_tokens', 0):.0f} tokens, wasted {sp.get('wasted_tokens', 0):.0f}")
+
+
 def format_summary(s: dict) -> str:
     hist = ", ".join(f"{k}: {v}" for k, v in s["staleness_histogram"].items()) or "none"
     final = ", ".join(f"{k} {v:.4g}" for k, v in s["final"].items())
@@ -96,4 +112,6 @@ def format_summary(s: dict) -> str:
         f"{s['dropped']} | regenerated {s['regenerated']} | rewards skipped {s['rewards_skipped']}",
         f"final: {final}",
     ] + ([f"weights never acknowledged (generator: versions): {s['generator_versions_pending']}"]
-         if s.get("generator_versions_pending") else []) + ([StartupTimeline.format(s["startup"])] if s.get("startup") else []) + ([format_feedback(s["plan"])] if s.get("plan") else []))
+         if s.get("generator_versions_pending") else [])
+      + ([_format_speculative(s["speculative"])] if s.get("speculative", {}).get("method", "off") != "off" else [])
+      + ([StartupTimeline.format(s["startup"])] if s.get("startup") else []) + ([format_feedback(s["plan"])] if s.get("plan") else []))

@@ -11,7 +11,6 @@ import subprocess
 import sys
 
 import pytest
-
 from session_run import ROOT
 
 README_COMMAND = "accelerate launch recipes/online_dpo.py --output_dir outputs/online_dpo"

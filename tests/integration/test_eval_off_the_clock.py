@@ -9,8 +9,8 @@ import time
 
 from async_rlhf import AsyncOnlineDPOTrainer
 from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
-from async_rlhf.trainers.run_summary import format_summary
 from async_rlhf.tasks.setup import add_periodic_evaluation
+from async_rlhf.trainers.run_summary import format_summary
 
 EVAL_SECONDS = 1.5  # each evaluation's work: far longer than a tiny step, so an evaluation left on the clock shows
 

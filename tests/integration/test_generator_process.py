@@ -166,8 +166,8 @@ def test_close_waits_for_every_live_generator_to_acknowledge_the_last_weights(tm
 
     from transformers import AutoModelForCausalLM
 
-    from async_rlhf.generation.pool.local import GeneratorPool
     from async_rlhf.generation.engine.worker import GeneratorSpec
+    from async_rlhf.generation.pool.local import GeneratorPool
     from async_rlhf.types import GenerationRequest, SamplingSettings
     from async_rlhf.weight_sync.shm import ShmWeightTransport
 

@@ -10,7 +10,6 @@ import subprocess
 import tarfile
 
 import pytest
-
 from session_run import ROOT
 
 pytestmark = pytest.mark.slow

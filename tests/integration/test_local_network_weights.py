@@ -16,11 +16,11 @@ import os
 import signal
 
 import pytest
+from run_records import check_staleness_records
+from stop_at import StopAt
 
 from async_rlhf import AsyncOnlineDPOTrainer
 from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
-from run_records import check_staleness_records
-from stop_at import StopAt
 
 pytest.importorskip("vllm")
 

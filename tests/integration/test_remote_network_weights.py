@@ -20,14 +20,14 @@ import subprocess
 import time
 
 import pytest
+from run_records import check_staleness_records
+from test_remote_generators import start_server, stop_server
 
 from async_rlhf import AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer
 from async_rlhf.data.tiny_model import save_tiny_model
 from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
 from async_rlhf.errors import GeneratorFailed
 from async_rlhf.generation.serve import TOKEN_ENV
-from run_records import check_staleness_records
-from test_remote_generators import start_server, stop_server
 
 
 def _can_unshare() -> bool:

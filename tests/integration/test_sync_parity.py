@@ -22,8 +22,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from async_rlhf import (AsyncGRPOConfig, AsyncGRPOTrainer, AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer,
-                        AsyncPPOConfig, AsyncPPOTrainer, AsyncRLOOConfig, AsyncRLOOTrainer)
+from async_rlhf import (
+    AsyncGRPOConfig,
+    AsyncGRPOTrainer,
+    AsyncOnlineDPOConfig,
+    AsyncOnlineDPOTrainer,
+    AsyncPPOConfig,
+    AsyncPPOTrainer,
+    AsyncRLOOConfig,
+    AsyncRLOOTrainer,
+)
 from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
 from async_rlhf.losses.dpo import dpo_loss
 from async_rlhf.losses.grpo import grpo_advantages, grpo_loss

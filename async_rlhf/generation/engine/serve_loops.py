@@ -21,6 +21,7 @@ first, ahead of any update.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import queue
 import time
 
@@ -32,6 +33,12 @@ def _load(backend, msg, generator_id: int, outbox, busy_seconds: float) -> int:
     backend.load_weights(msg)
     outbox.put(WeightAck(generator_id, msg.version, time.perf_counter() - t0, busy_seconds))
     return msg.version
+
+
+def _spec(backend) -> dict:
+    """The backend's cumulative speculation counters ({} without speculation, or for a backend without any)."""
+    counters = getattr(backend, "spec_counters", None)
+    return counters() if counters is not None else {}
 
 
 def serve_batches(spec, backend, inbox, outbox, parent) -> bool:
@@ -57,7 +64,7 @@ def serve_batches(spec, backend, inbox, outbox, parent) -> bool:
             outbox.put(RolloutBatch(batch_id=msg.batch_id, generator_id=spec.generator_id, policy_version=version,
                                     prompt_ids=msg.prompt_ids, prompt_token_ids=msg.prompt_token_ids,
                                     completions=completions, seconds=time.perf_counter() - t0, chunk=msg.chunk,
-                                    num_chunks=msg.num_chunks))
+                                    num_chunks=msg.num_chunks, spec=_spec(backend)))
         else:
             raise ValueError(f"generator {spec.generator_id}: unknown message kind {msg.kind!r}")
 
@@ -98,5 +105,7 @@ def serve_stream(spec, backend, inbox, outbox, parent) -> bool:
                 raise ValueError(f"generator {spec.generator_id}: unknown message kind {msg.kind!r}")
             fifo.popleft()
         if engine.busy:
-            for rollouts in engine.step(version):
-                outbox.put(rollouts)
+            finished = engine.step(version)
+            counters = _spec(backend) if finished else {}
+            for rollouts in finished:
+                outbox.put(dataclasses.replace(rollouts, spec=counters) if counters else rollouts)

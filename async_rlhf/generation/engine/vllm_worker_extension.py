@@ -1,7 +1,8 @@
 """What our generators add to every vLLM worker: our two weight-transfer backends.
 
 vLLM builds its worker class from `worker_extension_cls` (a qualified name, because the worker may live in another
-process), importing this module in the worker before it loads the model. Importing it registers our backends with
+process), importing this module in the worker before it loads the model. Importing it makes speculative
+decoding exact on vLLM's CPU build (`spec_decode_cpu.py`) and registers our backends with
 vLLM's factories in that process, which is what lets `LLM(weight_transfer_config={"backend": ...})` (or `vllm serve
 --weight-transfer-config`) build them there:
 - `async_rlhf_gloo` (`weight_sync/vllm_gloo_engine.py`), what our generators and servers run: the CPU twin of
@@ -20,7 +21,12 @@ reload, not moving the bytes, is where a CPU weight sync spends its time (`bench
 
 from __future__ import annotations
 
+from async_rlhf.generation.engine import spec_decode_cpu
 from async_rlhf.weight_sync import vllm_gloo_engine  # noqa: F401  (registers "async_rlhf_gloo" and "async_rlhf_shm")
+
+# vLLM imports this module in `init_worker` right after its platform registered its kernel overrides: replace the
+# CPU build's broken expand kernel, without which speculative sampling is not exact there (spec_decode_cpu.py).
+spec_decode_cpu.install()
 
 
 class WeightSyncExtension:

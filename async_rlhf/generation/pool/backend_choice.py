@@ -132,6 +132,16 @@ def resolve_generator_backend(args, model_config, architecture: str, dtype: str,
     if args.generator_backend != "auto":
         return args.generator_backend
     reason = None if args.generator_servers else why_not_vllm(args, model_config, architecture, dtype, facts_fn)
+    speculative = getattr(args, "speculative", "off")
+    if speculative == "auto" and reason is not None:  # nothing to measure: vLLM cannot serve the policy
+        _say(args, f"speculative='auto': off (vLLM cannot serve the policy here: {reason})")
+        args.speculative = speculative = "off"
+    if speculative != "off":  # only vLLM speculates: no race against transformers
+        if reason is not None:
+            raise ConfigError(f"speculative: {speculative!r} needs vLLM generators, and generator_backend='auto' cannot "
+                              f"use vLLM here: {reason}; set speculative='off'")
+        args.generator_backend = "vllm"
+        return "vllm"
     if reason is None:
         args.generator_backend = _measured_choice(args, model_config, dtype, workload)
         return args.generator_backend

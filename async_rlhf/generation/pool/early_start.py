@@ -29,6 +29,7 @@ from async_rlhf.generation.pool.backend_choice import resolve_generator_backend
 from async_rlhf.generation.pool.backend_probe import ROUNDS, Workload
 from async_rlhf.generation.pool.local import GeneratorPool
 from async_rlhf.generation.pool.placement import engine_kwargs
+from async_rlhf.generation.pool.speculative_choice import resolve_speculative
 from async_rlhf.pipeline.prompt_stream import total_steps
 from async_rlhf.types import SamplingSettings
 
@@ -52,6 +53,8 @@ def choose_backend_and_spawn(args, model, model_config, init_kwargs: dict, train
                                 max(1, total_steps(args, len(train_dataset))), extra_prompt_token_ids=first[per:])
     architecture = (model_config.architectures or [type(model).__name__])[0]
     resolve_generator_backend(args, model_config, architecture, dtype, workload=workload)
+    if args.speculative == "auto":
+        resolve_speculative(args, workload if args.generator_backend == "vllm" else None, dtype)
     return spawn_early(args, model, dtype)
 
 

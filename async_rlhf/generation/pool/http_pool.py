@@ -50,14 +50,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from async_rlhf.config.checks import base_url
-from async_rlhf.errors import GeneratorFailed, StageTimeout
+from async_rlhf.config.checks import base_url, choose_transport
+from async_rlhf.errors import GeneratorFailed, StageTimeout, WeightTransportError
 from async_rlhf.generation.pool import http_client
 from async_rlhf.generation.pool.http_client import ServerError, Unauthorized, WeightSyncClient
 from async_rlhf.pipeline.generator_pool import AckTracker
 from async_rlhf.types import GenerationRequest, RolloutBatch, WeightUpdate
-from async_rlhf.config.checks import choose_transport
-from async_rlhf.errors import WeightTransportError
 from async_rlhf.weight_sync.network import PROBE_ROUTE, NetworkSender, for_transport
 
 logger = logging.getLogger(__name__)

@@ -84,7 +84,10 @@ def engine_kwargs(args: AsyncRLConfig, policy: torch.nn.Module | str, backend: s
         return {"dtype": dtype}
     return {"dtype": dtype, "max_model_len": args.vllm_max_model_len or args.max_length,
             "gpu_memory_utilization": args.vllm_gpu_memory_utilization, "enforce_eager": args.vllm_enforce_eager,
-            "tensor_parallel_size": args.vllm_tensor_parallel_size, "weight_transport": "ipc" if args.local_weight_transport == "ipc" else "shm"}
+            "tensor_parallel_size": args.vllm_tensor_parallel_size,
+            "weight_transport": "ipc" if args.local_weight_transport == "ipc" else "shm",
+            **({"speculative": args.speculative, "num_speculative_tokens": args.num_speculative_tokens}
+               if args.speculative != "off" else {})}
 
 
 def initial_model_dir(source_path: str | None, model, tokenizer, accelerator,

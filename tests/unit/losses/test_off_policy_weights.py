@@ -7,8 +7,15 @@ import math
 import pytest
 import torch
 
-from async_rlhf.losses import (grpo_loss, importance_ess, log_ratio_stats, masked_importance_weights,
-                               off_policy_weights, ppo_policy_loss, rloo_loss)
+from async_rlhf.losses import (
+    grpo_loss,
+    importance_ess,
+    log_ratio_stats,
+    masked_importance_weights,
+    off_policy_weights,
+    ppo_policy_loss,
+    rloo_loss,
+)
 
 LN3, LN4 = math.log(3.0), math.log(4.0)
 

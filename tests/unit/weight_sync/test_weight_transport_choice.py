@@ -9,9 +9,9 @@ import os
 import pytest
 
 from async_rlhf import AsyncOnlineDPOConfig
+from async_rlhf.config.checks import choose_transport
 from async_rlhf.errors import ConfigError
 from async_rlhf.weight_sync import broadcast
-from async_rlhf.config.checks import choose_transport
 from async_rlhf.weight_sync.network import StateTransport, for_transport, reads_probe, write_probe
 
 
