@@ -38,6 +38,7 @@ def main(argv: list[str]) -> AsyncPPOTrainer:
     add_periodic_evaluation(trainer, task.evaluate, script.gold_eval_steps)
     trainer.train(resume_from_checkpoint=resume_argument(config))
     save_and_evaluate(trainer, task.evaluate, config.output_dir)
+    trainer.accelerator.end_training()  # the process group goes before the interpreter tears down its threads
     return trainer
 
 

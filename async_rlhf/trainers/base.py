@@ -332,6 +332,10 @@ class AsyncTrainerBase(Trainer):
         if self._stop_signal:
             raise KeyboardInterrupt(f"stopped by signal {self._stop_signal} after saving checkpoint-"
                                     f"{self.state.global_step} in {self.args.output_dir}")
+        # every rank leaves train() once rank 0 has closed its generators (which waits, bounded, for their last
+        # acknowledgements): a rank that ran ahead to the end of its script would tear down the process group under
+        # a peer still inside the run (seen as an abort of rank 1 in a 2-rank run)
+        self.accelerator.wait_for_everyone()
         self.run_summary = build_summary(self.pipeline, self.args, self.accelerator, self.state.global_step,
                                          time.perf_counter() - t0, self._loop_seconds, self.scorer.skipped,
                                          self._last_metrics, eval_seconds=self.eval_seconds)

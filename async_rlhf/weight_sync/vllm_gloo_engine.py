@@ -48,11 +48,10 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
-from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
 from async_rlhf.weight_sync import broadcast
 from async_rlhf.weight_sync.broadcast import GroupInfo, WeightBroadcastError, WeightGroup
-from async_rlhf.weight_sync.vllm_shm_engine import ShmWeightTransferEngine
+from async_rlhf.weight_sync.vllm_shm_engine import ShmWeightTransferEngine, register_backend
 
 BACKEND = "async_rlhf_gloo"
 
@@ -300,15 +299,8 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
 
 def register() -> None:
-    """Make `BACKEND` known to both of vLLM's registries in this process. Idempotent; a name taken by another class
-    is an error."""
-    for factory, cls in ((WeightTransferEngineFactory, GlooWeightTransferEngine),
-                         (WeightTransferTrainerFactory, GlooTrainerWeightTransferEngine)):
-        loader = factory._registry.get(BACKEND)
-        if loader is None:
-            factory.register_engine(BACKEND, cls)
-        elif loader() is not cls:
-            raise RuntimeError(f"vLLM weight-transfer backend {BACKEND!r} is registered to {loader()!r}")
+    """Make `BACKEND` known to both of vLLM's registries in this process (`vllm_shm_engine.register_backend`)."""
+    register_backend(BACKEND, GlooWeightTransferEngine, GlooTrainerWeightTransferEngine)
 
 
 register()

@@ -172,16 +172,20 @@ class ShmTrainerWeightTransferEngine(TrainerWeightTransferEngine[ShmTrainerInitI
         self.client.finish_weight_update(str(update.version))
 
 
-def register() -> None:
-    """Make `BACKEND` known to both of vLLM's registries in this process. Idempotent (vLLM refuses a second
-    registration); a name taken by another class is an error."""
-    for factory, cls in ((WeightTransferEngineFactory, ShmWeightTransferEngine),
-                         (WeightTransferTrainerFactory, ShmTrainerWeightTransferEngine)):
-        loader = factory._registry.get(BACKEND)
+def register_backend(name: str, worker_cls: type, trainer_cls: type) -> None:
+    """Make backend `name` known to both of vLLM's registries in this process (worker side, trainer side).
+    Idempotent (vLLM refuses a second registration); a name taken by another class is an error."""
+    for factory, cls in ((WeightTransferEngineFactory, worker_cls), (WeightTransferTrainerFactory, trainer_cls)):
+        loader = factory._registry.get(name)
         if loader is None:
-            factory.register_engine(BACKEND, cls)
+            factory.register_engine(name, cls)
         elif loader() is not cls:
-            raise RuntimeError(f"vLLM weight-transfer backend {BACKEND!r} is registered to {loader()!r}")
+            raise RuntimeError(f"vLLM weight-transfer backend {name!r} is registered to {loader()!r}")
+
+
+def register() -> None:
+    """Make `BACKEND` known to both of vLLM's registries in this process."""
+    register_backend(BACKEND, ShmWeightTransferEngine, ShmTrainerWeightTransferEngine)
 
 
 register()

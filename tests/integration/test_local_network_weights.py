@@ -36,6 +36,7 @@ def _logged(out) -> list[dict]:
     return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
 
 
+@pytest.mark.slow  # 1-3 min; the network path stays in the default tier through test_network_weights.py
 def test_two_generators_train_over_the_network_logprobs_equal(tmp_path, tiny_model_dir, config):
     steps = 3
     trainer = AsyncOnlineDPOTrainer(tiny_model_dir, reward_funcs=lowercase_reward, train_dataset=toy_prompts(48),

@@ -11,6 +11,7 @@ from async_rlhf import AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer
 from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
 
 
+@pytest.mark.slow  # a full run; exactness stays in the default tier (test_speculative_exactness.py)
 def test_a_run_with_history_drafts(tmp_path, tiny_model_dir):
     pytest.importorskip("vllm")
     steps = 3
