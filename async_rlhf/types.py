@@ -327,6 +327,7 @@ class GeneratorReady:
     generator_id: int
     backend: str
     seconds: float
+    where: str = ""  # where it runs, as its launcher names it ("": a process on learner rank 0's host)
     kind = "ready"
 
 

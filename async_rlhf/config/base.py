@@ -188,7 +188,8 @@ class AsyncRLConfig(TrainingArguments):
     generator_launcher: str = field(
         default="process",
         metadata={"help": "How generators start: 'process' (processes spawned by learner rank 0) or 'ray' (Ray actors, "
-                  "placed by Ray on rank 0's node: a GPU each for cuda entries; needs requirements-ray.txt)."},
+                  "a GPU each for cuda entries, placed by Ray: on any node of the cluster with weights over the "
+                  "network when it has nodes besides rank 0's, else on rank 0's node; needs requirements-ray.txt)."},
     )
     generator_autoscale: bool = field(
         default=False,

@@ -32,6 +32,7 @@ class GeneratorPoolProtocol(Protocol):
     num_generators: int
     acks: AckTracker
     restarts: dict[int, int]  # generator id -> restarts so far
+    places: dict[int, dict]  # generator id -> {device, where, weights}: where it runs and how its weights arrive
     start_seconds: float  # time `start` took
 
     def start(self) -> None: ...

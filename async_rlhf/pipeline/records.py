@@ -31,6 +31,7 @@ class PipelineRecords:
         self.loaded_versions: dict[int, int] = {}  # generator id -> last acknowledged version (kept after close)
         self.pending_versions: dict[int, list[int]] = {}  # generator id -> versions it never acknowledged (after close)
         self.restarts = 0
+        self.places: dict[int, dict] = {}  # generator id -> {device, where, weights} (kept after close)
         self.spec: dict[int, dict] = {}  # generator id -> its latest cumulative speculation counters
         self.schedule_summary: dict = {}  # the generator schedule's summary (autoscale decisions), kept after close
         self.imbalance = ImbalanceTally()  # generator/imbalance: max/mean tokens per generator
@@ -73,6 +74,7 @@ class PipelineRecords:
         self.busy_seconds = sum(pool.acks.busy_seconds.values())
         self.loaded_versions = dict(pool.acks.loaded_version)
         self.restarts = sum(pool.restarts.values())
+        self.places = {g: dict(p) for g, p in pool.places.items()}
 
     # ---- checkpoint state --------------------------------------------------------------------------------------
     def counters(self, queue) -> dict:

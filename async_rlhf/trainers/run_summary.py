@@ -46,6 +46,7 @@ def build_summary(pipeline, args, accelerator, steps: int, wall: float, loop_sec
         "sync_load_seconds": stats.get("sync/load_seconds", 0.0),
         "sync_bytes": r.sync_bytes,
         "generators": len(args.generator_servers or args.generator_devices),  # at start (autoscale: see below)
+        "generator_places": r.places,  # generator id -> {device, where, weights}: where it ran, how weights came
         "generator_versions": r.loaded_versions,  # the run's end waits for every live generator's acknowledgement
         "generator_versions_pending": r.pending_versions,  # ... and names here what it never got ({}: none)
         "generator_autoscale": r.schedule_summary,  # decisions, answers per generator (experimental/elastic.py); {}: off
@@ -94,6 +95,12 @@ def _format_speculative(sp: dict) -> str:
             f"drafted {sp.get('drafted_tokens', 0):.0f} tokens, wasted {sp.get('wasted_tokens', 0):.0f}")
 
 
+def _format_places(places: dict) -> str:
+    """One clause per generator: where it ran last and how its weights arrived."""
+    return "generators: " + " | ".join(f"{g} {p['device']}: {p['where']}, weights over {p['weights']}"
+                                       for g, p in sorted(places.items()))
+
+
 def format_summary(s: dict) -> str:
     hist = ", ".join(f"{k}: {v}" for k, v in s["staleness_histogram"].items()) or "none"
     final = ", ".join(f"{k} {v:.4g}" for k, v in s["final"].items())
@@ -111,7 +118,8 @@ def format_summary(s: dict) -> str:
            else "") + " | dropped "
         f"{s['dropped']} | regenerated {s['regenerated']} | rewards skipped {s['rewards_skipped']}",
         f"final: {final}",
-    ] + ([f"weights never acknowledged (generator: versions): {s['generator_versions_pending']}"]
+    ] + ([_format_places(s["generator_places"])] if s.get("generator_places") else [])
+      + ([f"weights never acknowledged (generator: versions): {s['generator_versions_pending']}"]
          if s.get("generator_versions_pending") else [])
       + ([_format_speculative(s["speculative"])] if s.get("speculative", {}).get("method", "off") != "off" else [])
       + ([StartupTimeline.format(s["startup"])] if s.get("startup") else []) + ([format_feedback(s["plan"])] if s.get("plan") else []))

@@ -144,9 +144,9 @@ def generator_main(spec: GeneratorSpec, inbox, outbox) -> None:
         _leave(outbox, 0 if ok else 1, deliver=not ok and parent.is_alive())
 
 
-def _serve(spec: GeneratorSpec, inbox, outbox) -> bool:
+def _serve(spec: GeneratorSpec, inbox, outbox, where: str = "") -> bool:
     """Serve the inbox until `Shutdown` or the parent's death (True) or an error, reported on `outbox` (False). The
-    engine is closed before it returns."""
+    engine is closed before it returns. `where`: the launcher's name for the place it runs (its `GeneratorReady`)."""
     from multiprocessing import parent_process
 
     from async_rlhf.generation.engine.serve_loops import serve_batches, serve_stream
@@ -168,7 +168,7 @@ def _serve(spec: GeneratorSpec, inbox, outbox) -> bool:
 
         t0 = time.perf_counter()
         backend = load_backend(spec.backend, spec.model_path, device=device, seed=spec.seed, **spec.engine_kwargs)
-        outbox.put(GeneratorReady(spec.generator_id, backend.name, time.perf_counter() - t0))
+        outbox.put(GeneratorReady(spec.generator_id, backend.name, time.perf_counter() - t0, where))
         serve = serve_stream if spec.streaming else serve_batches
         return serve(spec, backend, inbox, outbox, parent_process())
     except BaseException as exc:  # report, then exit: the pool turns this into an error on the learner

@@ -4,11 +4,12 @@
   (`http_pool.HTTPGeneratorPool`); weights through vLLM's weight routes, as shm files for a server that reads
   learner rank 0's `shm_dir` and over the network for one that does not (`weight_sync.network.StateTransport`).
 * otherwise local generators (`local.GeneratorPool`): spawned processes, or Ray actors with
-  `generator_launcher='ray'` (`ray_launcher.py`); the pool spawned while the trainer was built is used if it runs
+  `generator_launcher='ray'` (`ray_launcher.py`: on any node of the cluster, weights over the network, when it has
+  nodes besides learner rank 0's; on rank 0's node otherwise); the pool spawned while the trainer was built is used if it runs
   exactly these generators (`early_start.py`). Its generator schedule (`scheduling.py`) is the default unless the
   caller passes another (`experimental/schedules.py`). Weights through `weight_sync.make_transport` (shm files, or
-  CUDA IPC when colocated), or, with `weight_transport='network'`, a weight group per generator fed by
-  `network_feeds.NetworkFeeds`.
+  CUDA IPC when colocated), or, with `weight_transport='network'` (or Ray actors that may run on other nodes), a
+  weight group per generator fed by `network_feeds.NetworkFeeds`.
 """
 
 from __future__ import annotations
@@ -55,10 +56,13 @@ def make_pool(args, on_rollouts: Callable[[RolloutBatch], None], initial_version
             weight_transport=args.weight_transport, network={**network_options(args), "backend": args.network_backend})
         return transport, pool, FixedGenerators()
     specs = generator_specs(args, model_path, engine_kwargs, initial_version)
+    launcher = make_launcher(args, model_path)  # Ray: decides where the actors may run, and so their weights
+    weights = launcher.weights if launcher is not None else args.local_weight_transport
     pool = adopt_or_close(early_pool, specs, on_rollouts) or GeneratorPool(
         specs, on_rollouts, args.generator_start_timeout, args.weight_sync_timeout, args.generator_max_restarts,
-        launcher=make_launcher(args))
-    if args.local_weight_transport == "network":
+        launcher=launcher)
+    pool.weights = weights
+    if weights == "network":
         from async_rlhf.generation.pool.network_feeds import NetworkFeeds
 
         transport = StateTransport(args.shm_dir)

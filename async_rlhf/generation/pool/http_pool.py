@@ -103,6 +103,7 @@ class HTTPGeneratorPool:
         self.acks = AckTracker(list(range(self.num_generators)), initial_version, weight_sync_timeout,
                                describe=self.describe)
         self.restarts = {g: 0 for g in range(self.num_generators)}  # never restarted: kept for the run summary
+        self.places: dict[int, dict] = {}  # server -> {device, where, weights}, once started
         self.start_seconds = 0.0
         self._servers: list[_Server] = []
         self._failed: dict[int, str] = {}
@@ -295,6 +296,7 @@ class HTTPGeneratorPool:
             except Exception as exc:  # a refused token, a group that did not form, a server on another backend
                 raise GeneratorFailed(f"generator start: {self.describe(s.gid)}: joining the weight group: "
                                       f"{type(exc).__name__}: {exc}") from None
+        self.places[s.gid] = {"device": "server", "where": s.url, "weights": s.transport}
         logger.info("%s: serving %s (max_model_len %s, weight version %r, weights over %s)", self.describe(s.gid),
                     s.model, max_len, loaded, s.transport)
         return self.initial_version > 0 or loaded != "default"

@@ -93,6 +93,8 @@ class GeneratorPool:
         self._last_update: WeightUpdate | None = None
         self.scheduling: GeneratorScheduling = FixedGenerators()  # set by `choice.make_pool` before `start`
         self.feeds = None  # `network_feeds.NetworkFeeds` for the "network" weight transport: set before `start`
+        self.weights = "shm"  # how weights reach the generators (shm, ipc or network): set by `choice.make_pool`
+        self.places: dict[int, dict] = {}  # generator -> {device, where, weights} of its latest incarnation, once ready
         self._starting: dict[int, float] = {}  # generator -> time a restart was spawned (until Ready)
         self._errors: dict[int, str] = {}  # generator -> last error reported
         self._lock = threading.Lock()
@@ -104,6 +106,14 @@ class GeneratorPool:
         self.start_wait_seconds = 0.0  # of which the caller of `start` waited (the rest overlapped its own work)
         # runs before multiprocessing's exit handler terminates (SIGTERM, ignored) and joins daemonic children
         self._kill_at_exit = multiprocessing.util.Finalize(self, kill_all, args=(self.processes,), exitpriority=10)
+
+    def _placed(self, ready) -> None:
+        spec = next(s for s in self.specs if s.generator_id == ready.generator_id)
+        place = {"device": spec.device, "where": ready.where or "process on this host", "weights": self.weights}
+        if self.places.get(ready.generator_id) != place:
+            logger.info("generator %d (%s): %s, weights over %s", ready.generator_id, spec.device, place["where"],
+                        self.weights)
+        self.places[ready.generator_id] = place
 
     def _process(self, spec: GeneratorSpec, inbox, outbox):
         return self.launcher.process(spec, inbox, outbox)
@@ -181,6 +191,7 @@ class GeneratorPool:
                 continue
             if msg.kind == "ready":
                 ready.add(msg.generator_id)
+                self._placed(msg)
             elif msg.kind == "error":
                 raise GeneratorFailed(f"generator {msg.generator_id} failed to start:\n{msg.message}"
                                       f"{see_log({s.generator_id: s for s in self.specs}[msg.generator_id])}")
@@ -428,6 +439,7 @@ class GeneratorPool:
                 continue
             if msg.kind == "ready":
                 gid = msg.generator_id
+                self._placed(msg)
                 with self._lock:
                     self._starting.pop(gid, None)
                     if gid in self._joining:  # updates sent while it started were held back: the newest now

@@ -1,13 +1,19 @@
 """Generators as Ray actors (`generator_launcher='ray'`; Ray is an optional extra: requirements-ray.txt).
 
 What changes against the default launcher (`processes.ProcessLauncher`) is only how a generator is started and reached:
-* **placement**: each generator is an actor asking Ray for a GPU (`cuda:*` entries of `generator_devices` /
+* **placement and weights**: each generator is an actor asking Ray for a GPU (`cuda:*` entries of `generator_devices` /
   `generator_autoscale_devices`: the entry says "a GPU", Ray picks which, and the actor sees it as its only one) or
-  for `generator_threads` CPUs (`cpu` entries). Ray schedules it, and a replacement (the pool restarts a dead
-  generator by asking for a new actor) is placed by Ray again. Our shared-memory weight transport (`/dev/shm` files
-  read by the generator) is node-local, so actors are pinned to learner rank 0's node (a hard node-affinity
-  constraint): what crosses to an actor is the messages (requests, rollouts, `WeightUpdate`s naming shm files),
-  never the weights. Generators on other nodes need a weight transport that crosses machines (not written yet);
+  for `generator_threads` CPUs (`cpu` entries). Where it may run follows how its weights arrive (`RayLauncher.plan`,
+  decided once, before any actor starts):
+  - the network transport (`network_feeds.py`: a gloo or NCCL group of its own per actor, joined through its inbox):
+    anywhere in the cluster, by Ray's default scheduling (any node with the CPUs or GPU free). `weight_transport`
+    'auto' picks it when the cluster has a node besides learner rank 0's (and the generators are vLLM);
+  - shm (files in rank 0's `/dev/shm`, node-local) or CUDA IPC: pinned to learner rank 0's node (a hard
+    node-affinity constraint), as on a one-node cluster, or with `weight_transport` 'shm' forced.
+  A replacement (the pool restarts a dead generator by asking for a new actor) and an added generator
+  (`generator_autoscale`) are placed by Ray the same way, and join a weight group of their own at the next version.
+  Refused before any actor starts: generators that may land on another host while the weight group listens on a
+  loopback `weight_sync_host`, or while version 0 is only a copy in rank 0's `shm_dir` (`plan`);
 * **messages**: the actor runs the same serve loops as a generator process (`worker._serve`, `serve_loops.py`);
   the pool's inbox is a proxy whose `put` calls the actor's `send` method and its outbox one whose `get` calls
   `poll`. The actor is threaded (one thread serves, others take `send`/`poll` calls), and Ray does not keep the
@@ -31,12 +37,75 @@ import queue
 import threading
 import time
 
+from async_rlhf.config.checks import is_loopback
+from async_rlhf.errors import ConfigError
 
-def make_launcher(args):
-    """The launcher `args.generator_launcher` names; None for the default (`processes.ProcessLauncher`)."""
+
+def make_launcher(args, model_path: str = ""):
+    """The launcher `args.generator_launcher` names, its placement planned (`RayLauncher.plan`); None for the default
+    (`processes.ProcessLauncher`)."""
     if args.generator_launcher != "ray":
         return None
-    return RayLauncher()
+    launcher = RayLauncher()
+    try:
+        launcher.plan(args, model_path)
+    except BaseException:
+        launcher.close()
+        raise
+    return launcher
+
+
+def placement(args, here: str, others: dict[str, str], model_path: str = "") -> str:
+    """How weights reach Ray actors, 'shm' or 'ipc' (pinned to learner rank 0's node, at address `here`) or 'network'
+    (anywhere), for a cluster whose other alive nodes are `others` (node id -> address); a ConfigError for a setting
+    that cannot work there (see the module docstring)."""
+    weights = args.local_weight_transport  # 'shm' or 'ipc' under auto, else the one forced
+    if args.weight_transport == "auto" and weights == "shm" and others and args.generator_backend == "vllm":
+        weights = "network"
+    if weights != "network":
+        return weights
+    hosts = sorted({ip for ip in others.values() if ip != here})
+    if hosts and is_loopback(args.weight_sync_host):
+        raise ConfigError(
+            f"weight_sync_host: {args.weight_sync_host!r} is a loopback address, but generator_launcher='ray' may "
+            f"place generators on other hosts of the Ray cluster ({', '.join(hosts)}), which cannot reach it: pass "
+            f"--weight_sync_host {here} --allow_remote true (a private network), or --weight_transport shm to keep "
+            "the generators on this node")
+    shm = os.path.realpath(args.shm_dir) + os.sep
+    if model_path and os.path.realpath(model_path).startswith(shm):
+        raise ConfigError(
+            f"generator_launcher: 'ray' may place generators on other nodes, which load version 0 from {model_path}, "
+            "a copy in learner rank 0's shm_dir that they cannot read (the policy has no saved directory of its own, "
+            "or is a LoRA policy whose merged weights are copied): save the policy and pass its directory, or "
+            "--weight_transport shm to keep the generators on this node")
+    return weights
+
+
+def check_room(args, weights: str, home: dict[str, float], others: dict[str, dict[str, float]]) -> None:
+    """A ConfigError unless the Ray nodes the generators may use have room for them: `home` is the total resources of
+    learner rank 0's node, `others` those of the other alive nodes (node id -> resources). Ray would otherwise keep an
+    actor it cannot place pending, and the run would wait for it until `generator_start_timeout`."""
+    needs = [("GPU", 1.0) if d.startswith("cuda") else ("CPU", float(args.generator_threads))
+             for d in args.generator_devices]
+    nodes = [home] + (list(others.values()) if weights == "network" else [])
+    for kind in ("GPU", "CPU"):
+        wanted = [n for k, n in needs if k == kind]
+        if not wanted:
+            continue
+        free = [node.get(kind, 0.0) for node in nodes]
+        if sum(wanted) <= sum(free) and max(wanted) <= max(free):
+            continue
+        have = ", ".join(f"{f:g}" for f in free)
+        if weights == "network":
+            where = f"the Ray cluster's nodes have {have} {kind}(s)"
+        else:
+            where = (f"learner rank 0's Ray node has {have} {kind}(s) (generators whose weights arrive by {weights} "
+                     "stay on it" + ("; generator_backend 'transformers' loads only shm updates: use vllm for the "
+                                     "network" if args.generator_backend == "transformers" and others else "") + ")")
+        per = f"{wanted[0]:g} {kind}{'s' if wanted[0] != 1 else ''} each" if kind == "CPU" else "1 GPU each"
+        raise ConfigError(f"generator_devices: {len(wanted)} generator(s) need {sum(wanted):g} {kind}(s) ({per}), "
+                          f"but {where}: start Ray nodes with room "
+                          "for them, or ask for fewer (generator_devices, generator_threads)")
 
 
 class _OrderedInbox:
@@ -70,12 +139,17 @@ class _OrderedInbox:
 class GeneratorActor:
     """The Ray actor: one generator (engine + serve loop) in a Ray worker process."""
 
-    def __init__(self, spec):
+    def __init__(self, spec, home_node: str = ""):
+        import ray
+
         from async_rlhf.generation.engine.process_log import route_output
 
         self.spec = spec
         self.inbox = _OrderedInbox()
         self.outbox: queue.Queue = queue.Queue()
+        node = ray.get_runtime_context().get_node_id()
+        self.where = f"Ray node {node[:8]} at {ray.util.get_node_ip_address()}" + (
+            " (learner rank 0's node)" if node == home_node else " (not learner rank 0's node)")
         route_output(spec.log_path, f"generator-{spec.generator_id}")
 
     def serve(self) -> bool:
@@ -87,7 +161,7 @@ class GeneratorActor:
             import dataclasses
 
             spec = dataclasses.replace(spec, device=f"cuda:{os.environ.get('CUDA_VISIBLE_DEVICES', '0')}")
-        return _serve(spec, self.inbox, self.outbox)
+        return _serve(spec, self.inbox, self.outbox, self.where)
 
     def send(self, seq: int, msg) -> None:
         self.inbox.deliver(seq, msg)
@@ -141,15 +215,21 @@ class _Outbox:
 
     def __init__(self):
         self._actor = None
+        self._gid = -1
         self._ready: collections.deque = collections.deque()
+        self._closed = ""
 
-    def bind(self, actor) -> None:
-        self._actor = actor
+    def bind(self, actor, generator_id: int) -> None:
+        self._actor, self._gid, self._closed = actor, generator_id, ""
 
     def get(self, timeout: float):
         import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
+        from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
+        from async_rlhf.types import GeneratorError
+
+        if self._closed:
+            raise EOFError(self._closed)
         if not self._ready:
             if self._actor is None:
                 time.sleep(timeout)
@@ -160,6 +240,9 @@ class _Outbox:
                 raise queue.Empty from None
             except RayActorError as exc:
                 raise EOFError(str(exc)) from None
+            except RayError as exc:  # never ran (Ray could not place it): the pool's error report, then closed
+                self._closed = f"{type(exc).__name__}: {exc}"
+                return GeneratorError(self._gid, f"Ray could not run generator {self._gid}'s actor: {self._closed}")
         if not self._ready:
             raise queue.Empty
         return self._ready.popleft()
@@ -174,9 +257,9 @@ class _Outbox:
 class RayGenerator:
     """One generator actor, with the part of `multiprocessing.Process`'s surface the pool uses."""
 
-    def __init__(self, actor_class, spec, inbox: _Inbox, outbox: _Outbox, node_id: str):
+    def __init__(self, actor_class, spec, inbox: _Inbox, outbox: _Outbox, node_id: str, anywhere: bool):
         self.spec, self.inbox, self.outbox = spec, inbox, outbox
-        self._actor_class, self._node_id = actor_class, node_id
+        self._actor_class, self._node_id, self._anywhere = actor_class, node_id, anywhere
         self.actor = None
         self._done = None  # the `serve` call's result
         self._exitcode: int | None = None
@@ -186,13 +269,14 @@ class RayGenerator:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         gpu = self.spec.device.startswith("cuda")
+        where = "DEFAULT" if self._anywhere else NodeAffinitySchedulingStrategy(self._node_id, soft=False)
         self.actor = self._actor_class.options(
             num_gpus=1 if gpu else 0, num_cpus=0 if gpu else self.spec.threads, max_concurrency=4, max_restarts=0,
-            name=None, scheduling_strategy=NodeAffinitySchedulingStrategy(self._node_id, soft=False),
-        ).remote(self.spec)
+            name=None, scheduling_strategy=where,
+        ).remote(self.spec, self._node_id)
         self._done = self.actor.serve.remote()
         self.inbox.bind(self.actor)
-        self.outbox.bind(self.actor)
+        self.outbox.bind(self.actor, self.spec.generator_id)
         self.pid = 0
 
     @property
@@ -228,7 +312,8 @@ class RayGenerator:
 
 
 class RayLauncher:
-    """Starts generators as Ray actors on this node; connects to `RAY_ADDRESS`'s cluster, else starts a local Ray."""
+    """Starts generators as Ray actors: on this node, or anywhere in the cluster once `plan` chose the network for
+    their weights. Connects to `RAY_ADDRESS`'s cluster, else starts a local Ray."""
 
     def __init__(self):
         import ray
@@ -239,12 +324,28 @@ class RayLauncher:
                      runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
         self._node_id = ray.get_runtime_context().get_node_id()
         self._actor_class = ray.remote(GeneratorActor)
+        self.weights = "shm"  # how weights reach the actors: 'shm' or 'ipc' (this node), 'network' (anywhere)
+        self.anywhere = False
+
+    def plan(self, args, model_path: str = "") -> str:
+        """Choose how weights reach the actors, and so where they may run (`placement`), and check they fit there
+        (`check_room`)."""
+        import ray
+
+        nodes = {n["NodeID"]: n for n in ray.nodes() if n.get("Alive")}
+        others = {i: n for i, n in nodes.items() if i != self._node_id}
+        self.weights = placement(args, ray.util.get_node_ip_address(),
+                                 {i: n["NodeManagerAddress"] for i, n in others.items()}, model_path)
+        self.anywhere = self.weights == "network"
+        check_room(args, self.weights, nodes[self._node_id]["Resources"],
+                   {i: n["Resources"] for i, n in others.items()})
+        return self.weights
 
     def queues(self):
         return _Inbox(), _Outbox()
 
     def process(self, spec, inbox, outbox) -> RayGenerator:
-        return RayGenerator(self._actor_class, spec, inbox, outbox, self._node_id)
+        return RayGenerator(self._actor_class, spec, inbox, outbox, self._node_id, self.anywhere)
 
     def close(self) -> None:
         import ray

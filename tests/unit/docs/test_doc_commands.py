@@ -21,7 +21,8 @@ Placeholders are substituted before parsing:
 - `<anything>` -> `PLACEHOLDER` (a dummy word: `<policy>`, `<node 0 address>`, `<secret>`);
 - a shell variable `$g` / `${g}` -> `0` (the first value of the README's `for g in 0 1` loop); `$(...)` -> `PLACEHOLDER`;
 - `...` (more flags as above) is dropped, and optional flags in `[--flag value]` brackets are kept, unbracketed.
-GPU-only flags (`--bf16 true`) are parsed as on a machine with a bf16-capable GPU.
+GPU-only flags (`--bf16 true`) are parsed as on a machine with a bf16-capable GPU, and `--generator_launcher ray` as
+on one with Ray installed.
 """
 
 from __future__ import annotations
@@ -223,6 +224,8 @@ IDS = [f"{w}:{c[:60]}" for w, c in COMMANDS]
 @pytest.mark.parametrize("where, command", COMMANDS, ids=IDS)
 def test_doc_command_parses(where, command, monkeypatch):
     monkeypatch.setattr("transformers.training_args.is_torch_bf16_gpu_available", lambda: True)
+    # Ray is an optional extra the Ray rows name (requirements-ray.txt): their flags are checked as where it is installed
+    monkeypatch.setattr("async_rlhf.config.checks.ray_installed", lambda: True)
     monkeypatch.chdir(ROOT)  # the docs' paths are relative to the repository root
     for tokens in _segments(command):
         try:
@@ -286,3 +289,14 @@ def test_no_script_shadows_the_standard_library():
     for folder in ("benchmarks", "recipes", "examples", "scripts"):
         names = {f[:-3] for f in os.listdir(os.path.join(ROOT, folder)) if f.endswith(".py")}
         assert not names & set(sys.stdlib_module_names), f"{folder}/ shadows {sorted(names & set(sys.stdlib_module_names))}"
+
+
+def test_the_builtin_policy_path_in_the_docs_is_the_cache_path():
+    """README's one-machine server command names the built-in task's policy directory: it must be the one the task
+    builds (its cache version changes when the task does)."""
+    from async_rlhf.tasks.cache import default_cache_dir
+
+    text = open(os.path.join(ROOT, "README.md")).read()
+    named = set(re.findall(r"~/\.cache/async_rlhf/(builtin-v\d+)/sft_model", text))
+    assert named, "README.md no longer names the built-in policy's directory"
+    assert named == {os.path.basename(default_cache_dir())}, named

@@ -26,7 +26,7 @@ class _Pool:
     start_seconds = 0.0
 
     def __init__(self):
-        self.restarts = {0: 0}
+        self.restarts, self.places = {0: 0}, {}
         self.acks = AckTracker([0], 0, 60)
         self.sent = []
 
