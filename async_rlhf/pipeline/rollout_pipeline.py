@@ -56,6 +56,8 @@ from async_rlhf.weight_sync.transport import WeightTransport
 
 logger = logging.getLogger(__name__)
 
+FAILED_CLOSE_SECONDS = 2.0  # a failed run's generators: this long to stop (no acknowledgement awaited), then killed
+
 
 class RolloutPipeline:
     def __init__(self, args, prompt_token_ids: list[list[int]], generator_model_path: str, accelerator,
@@ -151,11 +153,18 @@ class RolloutPipeline:
                 out.update(part.stats())
         return out
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """`failed`: the run ended on an error, so no acknowledgement is awaited and the generators get
+        FAILED_CLOSE_SECONDS to stop before they are killed (a stopped or stalled one would otherwise hold the error
+        back for the pool's full grace periods)."""
         if self.scheduling is not None:
             self.records.schedule_summary = self.scheduling.summary()
         if self.pool is not None:
-            self.pool.close()  # first: it may still record the acknowledgements of the last weights
+            # first: it may still record the acknowledgements of the last weights
+            if failed:
+                self.pool.close(FAILED_CLOSE_SECONDS)
+            else:
+                self.pool.close()
             self.records.pool_state(self.pool)
             self.records.pending_versions = self.pool.acks.pending()  # sent, never acknowledged (close waited)
             self.pool = None

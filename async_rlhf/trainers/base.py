@@ -310,6 +310,7 @@ class AsyncTrainerBase(Trainer):
         for sig in previous:
             signal.signal(sig, self._on_signal)
         t0 = time.perf_counter()
+        trained = False  # the loop ended normally: the pool then waits for the last weights' acknowledgements
         try:
             self.pipeline.start(restored["version"], restored["pending"], restored["counters"])
             if self.pipeline.records.start_seconds:  # the generators' own account: early ones, or started just now
@@ -318,12 +319,13 @@ class AsyncTrainerBase(Trainer):
             t_loop = time.perf_counter()
             output = super().train(resume_from_checkpoint=checkpoint, trial=trial,
                                    ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+            trained = True
             self._loop_seconds = time.perf_counter() - t_loop
         except (GeneratorFailed, StageTimeout, NonFiniteSteps) as exc:  # raised on every rank, between two steps
-            self.pipeline.close()  # the generators first: nothing more will come from them
+            self.pipeline.close(failed=True)  # the generators first: nothing more will come from them
             raise type(exc)(f"{exc}\n{self._checkpoint_after_failure()}") from exc
         finally:
-            self.pipeline.close()
+            self.pipeline.close(failed=not trained)
             self._close_early_pool()  # never adopted (rank 0 resumed from the final checkpoint)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)

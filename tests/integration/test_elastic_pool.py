@@ -44,7 +44,8 @@ def _launcher(kind: str):
     return RayLauncher()
 
 
-@pytest.mark.parametrize("launcher", ["process", pytest.param("ray", marks=pytest.mark.slow)])
+@pytest.mark.slow  # an experimental schedule (experimental/elastic.py); the pool's add/retire is its only user
+@pytest.mark.parametrize("launcher", ["process", "ray"])
 def test_a_generator_joins_with_the_newest_weights_and_retires_without_losing_work(tmp_path, tiny_model_dir,
                                                                                     launcher):
     got: queue.Queue = queue.Queue()

@@ -63,7 +63,7 @@ def check_records(out, steps: int, staleness: int = 1) -> None:
 
 
 # ---- a learner rank dies ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("victim", [1, 0])
+@pytest.mark.parametrize("victim", [pytest.param(1, marks=pytest.mark.slow), 0])  # rank 0's death stays default
 def test_killed_learner_rank_ends_the_run_cleanly(tmp_path, victim):
     """kill -9 one of two gloo learner ranks mid-run: the other rank's next collective fails, it shuts its
     generators down and exits, the launcher exits, nothing is left running and the last checkpoint is intact."""

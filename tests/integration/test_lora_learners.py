@@ -111,6 +111,7 @@ class StopAt(TrainerCallback):
             control.should_training_stop = True
 
 
+@pytest.mark.slow  # 28 s; exact resume is default-tier in test_resume.py, LoRA training in the tests above
 def test_lora_run_resumes_from_its_adapter_checkpoint_exactly(tiny_model_dir, tiny_run_config, tmp_path):
     config = functools.partial(tiny_run_config, max_steps=4, per_device_train_batch_size=4, max_new_tokens=8,
                                max_staleness=0, seed=7, save_strategy="steps", save_steps=2, report_to="none")

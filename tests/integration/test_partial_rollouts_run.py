@@ -72,6 +72,7 @@ def check_records(out, steps: int = STEPS, s_old: int = S) -> dict[int, dict]:
     return final
 
 
+@pytest.mark.slow  # an experimental schedule (experimental/partial_rollouts.py); resume is default-tier in test_resume.py
 def test_stopped_with_groups_in_flight_and_resumed_trains_every_group_once_within_the_bound(tmp_path, tiny_model_dir):
     out = tmp_path / "run"
     first = AsyncOnlineDPOTrainer(tiny_model_dir, reward_funcs=lowercase_reward, train_dataset=data(),
@@ -121,6 +122,7 @@ def test_generator_killed_mid_stream_with_carried_groups_loses_nothing(tmp_path,
     check_records(tmp_path)
 
 
+@pytest.mark.slow  # an experimental schedule; both caps are checked on the pipeline's own queue in the unit tier
 def test_newest_token_bound_trains_every_group_once_within_both_caps(tmp_path, tiny_model_dir):
     trainer = AsyncOnlineDPOTrainer(tiny_model_dir, reward_funcs=lowercase_reward, train_dataset=data(),
                                     args=config(tmp_path, staleness_bound="newest", max_oldest_staleness=3))

@@ -1,5 +1,5 @@
-"""RLOO, PPO and Best-of-2 on the same asynchronous loop as online DPO: real vLLM generator process, shared-memory
-weight sync, max_staleness 0 and 2, staleness bound checked from the run's records."""
+"""RLOO, PPO and Best-of-2 on the same asynchronous loop as online DPO: real generator processes (vLLM for RLOO),
+shared-memory weight sync, max_staleness 0 and 2, staleness bound checked from the run's records."""
 
 from __future__ import annotations
 
@@ -24,6 +24,9 @@ LEARNERS = {
     "ppo": (AsyncPPOTrainer, AsyncPPOConfig, {"off_policy_correction": "decoupled"}),
     "best_of_2": (AsyncBestOfNTrainer, AsyncBestOfNConfig, {}),
 }
+# the stale RLOO run samples with vLLM, the others with the transformers generator, which starts in seconds where a
+# vLLM engine takes 15-25 s on 2 cores (the learners do not depend on the backend: 5 engine starts saved)
+VLLM_RUN = ("rloo", 2)
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +37,9 @@ def results(tmp_path_factory, tiny_model_dir):
             d = tmp_path_factory.mktemp(f"{name}-{staleness}")
             config = config_cls(output_dir=str(d), max_steps=STEPS, per_device_train_batch_size=4,
                                 max_new_tokens=10, max_length=48, learning_rate=1e-2, lr_scheduler_type="constant",
-                                max_staleness=staleness, disable_tqdm=True, seed=3, generator_backend="vllm",
-                                rollout_timeout=300, **extra)
+                                max_staleness=staleness, disable_tqdm=True, seed=3, rollout_timeout=300,
+                                generator_backend="vllm" if (name, staleness) == VLLM_RUN else "transformers",
+                                **extra)
             trainer = trainer_cls(model=tiny_model_dir, reward_funcs=lowercase_reward, args=config,
                                   train_dataset=toy_prompts(64))
             trainer.train()

@@ -5,7 +5,7 @@ through vLLM's `/init_weight_transfer_engine` and `/update_weights` routes, a gl
 
 Checks: a run trains to the end with every version loaded and, at max_staleness 0, the server's behaviour log-probs
 equal the learner's; its per-sample staleness records hold; the rendezvous refuses a wrong token at once; forcing
-'shm' on such a server is refused naming it; a server killed mid-broadcast fails the run naming it, within the
+'shm' on such a server is refused naming it; a stopped-and-resumed run matches an uninterrupted one loss for loss; a server killed mid-broadcast fails the run naming it, within the
 timeout, with no process left. Needs root (unshare); skipped otherwise.
 """
 
@@ -21,6 +21,7 @@ import time
 
 import pytest
 from run_records import check_staleness_records
+from stop_at import StopAt
 from test_remote_generators import start_server, stop_server
 
 from async_rlhf import AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer
@@ -101,6 +102,35 @@ def test_rendezvous_refuses_a_wrong_token_and_forced_shm(private_server, tmp_pat
                                               "read learner rank 0's shm_dir"):
         AsyncOnlineDPOTrainer(model_dir, reward_funcs=lowercase_reward, train_dataset=toy_prompts(64),
                               args=_config(tmp_path, address, staleness=1, steps=2, weight_transport="shm")).train()
+
+
+def test_stopped_and_resumed_run_on_a_private_shm_server_matches_an_uninterrupted_one(private_server, tmp_path,
+                                                                                       monkeypatch):
+    """The resumed run's first version (the checkpoint's) reaches the server over the network before any request,
+    and training goes on loss for loss as if never stopped (at max_staleness 0 each batch is sampled by exactly the
+    version that trains on it, with seeded requests)."""
+    address, token, model_dir, _ = private_server
+    monkeypatch.setenv(TOKEN_ENV, token)
+    data, steps = toy_prompts(64), 4
+
+    def run(out, stop_at=None, resume=False):
+        trainer = AsyncOnlineDPOTrainer(model_dir, reward_funcs=lowercase_reward, train_dataset=data,
+                                        args=_config(out, address, staleness=0, steps=steps, save_strategy="steps",
+                                                     save_steps=2))
+        if stop_at:
+            trainer.add_callback(StopAt(stop_at))
+        trainer.train(resume_from_checkpoint=resume or None)
+        return {m["step"]: m["loss"] for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+                if "loss" in m}
+
+    want = run(tmp_path / "full")
+    run(tmp_path / "cut", stop_at=2)
+    got = run(tmp_path / "cut", resume=True)
+    assert sorted(got) == sorted(want) == list(range(1, steps + 1))
+    for step in want:
+        assert got[step] == pytest.approx(want[step], abs=1e-5), (step, want, got)
+    summary = json.loads((tmp_path / "cut" / "run_summary.json").read_text())
+    assert summary["generator_places"]["0"]["weights"] == "network", summary["generator_places"]
 
 
 def test_server_killed_mid_broadcast_fails_the_run_naming_it(private_server, tmp_path, monkeypatch):

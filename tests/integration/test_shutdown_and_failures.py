@@ -51,7 +51,8 @@ def test_generator_that_cannot_start_is_reported_with_its_error(tmp_path, tiny_m
     t0 = time.monotonic()
     with pytest.raises(GeneratorFailed, match="generator 0 failed to start"):
         trainer.train()
-    assert time.monotonic() - t0 < 60
+    # a failed run waits for no acknowledgement and gives the stopped generator 2 s (before: 20 s + 20 s, 53 s in all)
+    assert time.monotonic() - t0 < 40
     assert not generator_processes()
 
 
@@ -113,7 +114,8 @@ def test_stalled_generator_fails_within_the_rollout_timeout(tmp_path, tiny_model
     t0 = time.monotonic()
     with pytest.raises(StageTimeout, match="rollout queue: batch 1 did not arrive"):
         trainer.train()
-    assert time.monotonic() - t0 < 60
+    # a failed run waits for no acknowledgement and gives the stopped generator 2 s (before: 20 s + 20 s, 53 s in all)
+    assert time.monotonic() - t0 < 40
     assert not generator_processes()
 
 
@@ -125,7 +127,8 @@ def test_stalled_weight_transfer_fails_within_the_sync_timeout(tmp_path, tiny_mo
     t0 = time.monotonic()
     with pytest.raises(StageTimeout, match="weight sync: generator 0 did not acknowledge weights v1 within 5s"):
         trainer.train()
-    assert time.monotonic() - t0 < 60
+    # a failed run waits for no acknowledgement and gives the stopped generator 2 s (before: 20 s + 20 s, 53 s in all)
+    assert time.monotonic() - t0 < 40
     assert not generator_processes()
 
 

@@ -42,7 +42,8 @@ def _logprobs(model, tokens: list[int]) -> torch.Tensor:
     return logits.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
 
 
-@pytest.mark.parametrize("weight_load", ["drain", "in_flight"])
+# drain (the default) is slow-tier here: the e2e run at max_staleness 0 loads its weights that way in the default tier
+@pytest.mark.parametrize("weight_load", [pytest.param("drain", marks=pytest.mark.slow), "in_flight"])
 def test_a_weight_update_meets_a_running_sample(tmp_path, tiny_model_dir, weight_load):
     pytest.importorskip("vllm")
     old = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()

@@ -47,6 +47,7 @@ def _check_plots(output_dir) -> None:
 
 
 # ---- the real recipes: the quick grid ----------------------------------------------------------------------------
+@pytest.mark.slow  # 80 s: the runner's failures, timeouts, skips and table are checked in the default tier below
 def test_quick_grid_runs_skips_reports_failures_and_aggregates(tmp_path):
     """The quick grid cut to online DPO and RLOO, one seed, 8 steps (N = 1, 2 on the toy task), plus `broken`: online
     DPO with a generator backend that does not exist, which only the recipe's config validation catches (the grid's
@@ -180,6 +181,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow  # 36 s; the grid's plan and the runner's SIGTERM stay in the default tier
 def test_runner_failure_timeout_skip_and_gold_table(tmp_path):
     grid = _fake_grid(tmp_path, {"good": "ok", "bad": "fail", "stuck": "hang"}, jobs=3, timeout_minutes=0.05)
     out = tmp_path / "sweep"

@@ -31,6 +31,7 @@ def _logprobs(model, tokens: list[int]) -> torch.Tensor:
     return logits.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
 
 
+@pytest.mark.slow  # an experimental schedule (experimental/tail_migration.py)
 def test_a_tail_request_moves_to_the_other_generator_mid_sample(tmp_path, tiny_model_dir):
     pytest.importorskip("vllm")
     old = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()

@@ -77,6 +77,7 @@ def check_micro_batches(micro_batches, out, steps):
     return records
 
 
+@pytest.mark.slow  # an experimental schedule (experimental/arrival_order.py); its rule is unit-tested
 def test_micro_batches_train_as_groups_arrive_each_group_once_within_the_bound(tmp_path, tiny_model_dir):
     given = []
     trainer = build(tiny_model_dir, tmp_path, given)

@@ -71,6 +71,8 @@ def reference_greedy(model) -> list[int]:
     return ids[len(PROMPT):]
 
 
+@pytest.mark.slow  # 40 s of `vllm serve` start-up; the same backend behind our server is default-tier in
+# test_remote_generators.py
 def test_weights_over_vllms_routes(server, tmp_path):
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
