@@ -160,6 +160,8 @@ def main(argv=None) -> None:
 
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, load average "
           f"{os.getloadavg()[0]:.1f} at start; task {args.task}, {args.tokens} draft tokens", flush=True)
+    if args.task != "tiny":  # prepared here, its progress on this console (10-15 min the first time), not silently
+        _task(args.task)     # inside the first method's process, whose output is captured
     gen, loop = {}, {}
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory(prefix="spec-bench-") as tmp:
