@@ -6,6 +6,7 @@
     python benchmarks/streaming.py --steps 12 --partial 8 --runs stream/in_flight partial partial/newest
     python benchmarks/streaming.py --steps 12 --generators 2 --tail 4 --runs batch stream/in_flight tail
     python benchmarks/streaming.py --steps 12 --micro_batches 4 --runs batch stream/in_flight fused
+    python benchmarks/streaming.py --quick --speculative history --runs batch stream/drain spec
 
 The workload: online DPO on the toy task with a tiny random Llama that rarely samples EOS, each prompt with its own
 completion budget drawn from a lognormal (`--lengths MEAN CV`, default 48 and 1.0, capped at `--new_tokens` 224:
@@ -27,6 +28,9 @@ Runs, each the real trainer and pipeline (times are of the training loop; engine
                       more): once at most that many groups of a batch are left on several generators, one takes them
   fused               stream/in_flight with `train_while_generating` (needs --micro_batches 2 or more): a step's
                       micro-batches train on its groups as they arrive, all but the last before the batch is whole
+  spec                stream/drain with `--speculative METHOD` (speculative rollouts need drained weight loads): its
+                      fraction of the ideal next to stream/drain's is what speculation adds (the ideals sample
+                      without it)
 `--micro_batches K` splits every run's step into K gradient-accumulation micro-batches (the same prompts per step).
 
 Two yardsticks, each the same prompts and seeds sampled by one engine in a process of its own (one thread, started
@@ -56,11 +60,11 @@ sys.path.insert(0, os.path.dirname(HERE))
 RUNS = (("batch", "batch", "drain", 0), ("stream/drain", "stream", "drain", 0),
         ("stream/in_flight", "stream", "in_flight", 0), ("partial", "stream", "in_flight", "partial"),
         ("partial/newest", "stream", "in_flight", "newest"), ("tail", "stream", "in_flight", "tail"),
-        ("fused", "stream", "in_flight", "fused"))
+        ("fused", "stream", "in_flight", "fused"), ("spec", "stream", "drain", "spec"))
 
 
 def config(args, out: str, mode: str, weight_load: str, partial: int = 0, tail: int = 0, fused: bool = False,
-           newest: bool = False):
+           newest: bool = False, speculative: str = "off"):
     from async_rlhf import AsyncOnlineDPOConfig
 
     if args.batch % args.micro_batches:
@@ -74,7 +78,7 @@ def config(args, out: str, mode: str, weight_load: str, partial: int = 0, tail: 
         generator_threads=1, learner_threads=1, generation_mode=mode, weight_load=weight_load,
         logging_steps=1000, save_strategy="no", seed=0, disable_tqdm=True, report_to=[],
         staleness_bound="newest" if newest else "oldest",
-        max_oldest_staleness=args.max_oldest_staleness if newest else None,
+        max_oldest_staleness=args.max_oldest_staleness if newest else None, speculative=speculative,
     )
 
 
@@ -86,13 +90,14 @@ def dataset(args):
 
 
 def run(args, model_dir: str, mode: str, weight_load: str, partial: int, tail: int, fused: bool = False,
-        newest: bool = False) -> dict:
+        newest: bool = False, speculative: str = "off") -> dict:
     from async_rlhf import AsyncOnlineDPOTrainer
     from async_rlhf.data.toy_task import lowercase_reward
 
     out = tempfile.mkdtemp(prefix=f"bench-stream-{mode}-")
     trainer = AsyncOnlineDPOTrainer(model=model_dir, reward_funcs=lowercase_reward,
-                                    args=config(args, out, mode, weight_load, partial, tail, fused, newest),
+                                    args=config(args, out, mode, weight_load, partial, tail, fused, newest,
+                                                speculative),
                                     train_dataset=dataset(args))
     trainer.train()
     return trainer.run_summary
@@ -182,6 +187,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--micro_batches", type=int, default=1,
                    help="gradient_accumulation_steps of every run (each step's prompts split into that many "
                         "micro-batches); 2 or more adds the fused run")
+    p.add_argument("--speculative", default=None, choices=("ngram", "suffix", "history"),
+                   help="adds the spec run: stream/drain with this speculative method")
     p.add_argument("--runs", nargs="+", default=[r[0] for r in RUNS], choices=[r[0] for r in RUNS],
                    help="which runs (batch first: the others are compared with it)")
     p.add_argument("--rounds", type=int, default=1,
@@ -196,9 +203,11 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = save_tiny_model(tempfile.mkdtemp(prefix="bench-model-"))
     if args.tail and args.generators < 2:
         raise SystemExit(f"--tail {args.tail} needs --generators 2 or more (got {args.generators})")
-    extra = {0: 0, "partial": args.partial, "newest": args.partial, "tail": args.tail, "fused": args.micro_batches > 1}
+    extra = {0: 0, "partial": args.partial, "newest": args.partial, "tail": args.tail, "fused": args.micro_batches > 1,
+             "spec": args.speculative}
     runs = [(n, m, w, extra[x] if x in ("partial", "newest") else 0, extra[x] if x == "tail" else 0, x == "fused",
-             x == "newest") for n, m, w, x in RUNS if n in args.runs and (not x or extra[x])]
+             x == "newest", args.speculative if x == "spec" else "off")
+            for n, m, w, x in RUNS if n in args.runs and (not x or extra[x])]
     rounds = []  # each round: every ideal, then every run, so that a drift of the machine's speed hits all alike
     for _ in range(args.rounds):
         # the ideals first: the first vLLM engine on a machine compiles kernels (torch inductor, cached on disk,
@@ -208,8 +217,8 @@ def main(argv: list[str] | None = None) -> None:
                   "ideal under bound": ideal(args, model_dir, window, bound=args.max_staleness)}
         if args.partial and {"partial", "partial/newest"} & set(args.runs):
             ideals["ideal+partial"] = ideal(args, model_dir, window + args.partial)
-        results = {name: run(args, model_dir, mode, wl, partial, tail, fused, newest)
-                   for name, mode, wl, partial, tail, fused, newest in runs}
+        results = {name: run(args, model_dir, mode, wl, partial, tail, fused, newest, spec)
+                   for name, mode, wl, partial, tail, fused, newest, spec in runs}
         rounds.append((ideals, results))
     report(args, rounds)
 
@@ -231,7 +240,8 @@ def report(args, rounds: list[tuple[dict, dict]]) -> None:
     print(f"\nmachine: {platform.machine()} {os.cpu_count()} cores; {args.steps} steps x {args.batch} prompts x 2 "
           f"samples, max_new_tokens {args.new_tokens}, budgets lognormal mean/cv {args.lengths}, max_staleness "
           f"{args.max_staleness}, partial_rollouts {args.partial}, tail_migration {args.tail}, micro-batches "
-          f"{args.micro_batches}, {args.generators} generator(s), {len(rounds)} round(s)")
+          f"{args.micro_batches}, {args.generators} generator(s), {len(rounds)} round(s)"
+          + (f", speculative {args.speculative} in the spec run" if args.speculative else ""))
     if len(rounds) > 1:
         print("samples/s per round: " + " | ".join(
             f"{name} " + " ".join(f"{rate(r[1][name]):.1f}" for r in rounds) for name in median_runs) + " | " +
@@ -258,6 +268,9 @@ def report(args, rounds: list[tuple[dict, dict]]) -> None:
         tm = s.get("tail_migration")
         pr += (f"  handed over {tm['moved']:.0f} of {tm['handoffs']:.0f} groups asked, {tm['moved_tokens']:.0f} tokens "
                "kept") if tm else ""
+        sp = s.get("speculative") or {}
+        pr += (f"  speculative {sp['method']}: acceptance {sp.get('acceptance_rate', 0):.2f}, accepted length "
+               f"{sp.get('mean_accepted_length', 0):.2f}") if sp.get("method", "off") != "off" else ""
         print(f"{name:18} {r:9.2f} {r / base:7.2f}x {r / own_ideal:8.2f} {of_bound} "
               f"{s['wait_seconds'] / s['loop_seconds']:6.2f} {busy:8.2f} {hidden} {imb:>24}{pr}")
     for k, v in ideals.items():
