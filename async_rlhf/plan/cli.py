@@ -16,7 +16,7 @@ import argparse
 import sys
 
 from async_rlhf.plan import search as sr
-from async_rlhf.plan.commands import any_node_command, describe, launch_command
+from async_rlhf.plan.commands import any_node_command, describe, launch_command, ray_any_node_command
 from async_rlhf.plan.cost_model import Workload
 from async_rlhf.plan.hardware import get_profile, load_profile
 from async_rlhf.plan.model_shapes import resolve_model
@@ -42,7 +42,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--deadline", type=float, help="hours: the cheapest plan (GPU-hours) that finishes in time")
     p.add_argument("--budget", type=float, help="GPU-hours: the fastest plan that costs no more")
     p.add_argument("--any_node_generators", action="store_true",
-                   help="let generators sit on any node (vLLM servers; weights over the network to those off node 0)")
+                   help="let generators sit on any node (vLLM servers on GPUs, Ray actors on CPUs; weights over the "
+                        "network to those off node 0)")
+    p.add_argument("--head_address", default="<node 0 address>",
+                   help="node 0's address in the printed any-node commands (127.0.0.1: every node on this machine)")
     p.add_argument("--learners", type=int, help="only plans with this many learner ranks")
     p.add_argument("--generators", type=int, help="only plans with this many generators")
     p.add_argument("--tp", type=int, help="only plans with this vLLM tensor parallel size")
@@ -117,8 +120,10 @@ def main(argv: list[str]) -> int:
               f"{chosen.step_seconds * args.steps / 3600:.3g} h (slowest length draw "
               f"{chosen.worst_step_seconds * args.steps / 3600:.3g} h), {chosen.gpu_hours(args.steps):.3g} GPU-hours")
     print(f"best: {describe(chosen.plan)}: {chosen.step_seconds:.3g} s/step, {chosen.samples_per_s:.3g} samples/s")
-    if not args.any_node_generators or chosen.plan.nodes == 1 or dev.kind == "cpu":
+    if not args.any_node_generators or chosen.plan.nodes == 1:
         print(launch_command(chosen.plan, w, cpu=dev.kind == "cpu"))
+    elif dev.kind == "cpu":  # a Ray cluster: actors on any node, weights over the network
+        print(ray_any_node_command(chosen.plan, w, dev.gpus_per_node, args.head_address))
     else:  # generators on any node: servers, weights over the network to those off node 0
         print(any_node_command(chosen.plan, w, dev.gpus_per_node))
     return 0

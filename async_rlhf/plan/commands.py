@@ -94,6 +94,36 @@ def any_node_command(plan: Plan, w: Workload, gpus_per_node: int, recipe: str = 
     return "\n".join(lines)
 
 
+def ray_any_node_command(plan: Plan, w: Workload, cores_per_node: int, head: str = "<node 0 address>",
+                         recipe: str = "recipes/online_dpo.py", output_dir: str = "outputs/plan") -> str:
+    """The commands for a CPU plan whose generators sit on any node: a Ray cluster (the head on node 0, where every
+    learner runs, offering Ray only the cores the learners leave; every core of the other nodes), then the learners
+    with `--generator_launcher ray`, each generator an actor Ray places where a core is free, its weights over the
+    network (`generation/pool/ray_launcher.py`). `head`: node 0's address as the other nodes reach it (a loopback one
+    runs every node on this machine)."""
+    if plan.learners > cores_per_node:
+        return (f"(no command: the {plan.learners} CPU learners do not fit on node 0's {cores_per_node} cores; our "
+                "CPU launch configs run the learners on one machine)")
+    flags = recipe_flags(plan, w, cpu=True)
+    launcher = (f"python {recipe}" if plan.learners == 1 else f"accelerate launch --config_file launch/accelerate/"
+                f"{CPU_CONFIGS[plan.zero_stage]} --num_processes {plan.learners} {recipe}")
+    remote = "" if head.startswith("127.") or head == "localhost" else " --allow_remote true"
+    others = plan.nodes - 1
+    return "\n".join([
+        "# every node: Ray's token authentication, with the same ~/.ray/auth_token (made once on node 0 by the second"
+        " line)",
+        "export RAY_AUTH_MODE=token",
+        "ray get-auth-token --generate > /dev/null",
+        f"# node 0 (the learners'; Ray gets its {cores_per_node - plan.learners} spare core(s)):",
+        f"ray start --head --port 6379 --num-cpus {cores_per_node - plan.learners} --disable-usage-stats",
+        f"# each of the other {others} node(s):",
+        f"ray start --address {head}:6379 --num-cpus {cores_per_node} --disable-usage-stats",
+        "# then on node 0:",
+        f"RAY_ADDRESS={head}:6379 {launcher} {flags} --generator_launcher ray --generator_backend vllm "
+        f"--generator_devices {' '.join(['cpu'] * plan.generators)} --weight_sync_host {head}{remote} "
+        f"--output_dir {output_dir}"])
+
+
 def describe(plan: Plan) -> str:
     zero = "DDP" if plan.zero_stage == 0 else f"ZeRO-{plan.zero_stage}" + ("+offload" if plan.offload else "")
     if plan.learners == 1:

@@ -25,6 +25,7 @@ measured the same way.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -207,6 +208,23 @@ def sft_baseline(sft_model, tokenizer, dataset, num_prompts: int, max_new_tokens
     return completions
 
 
+@contextlib.contextmanager
+def whole_models():
+    """Models loaded inside load whole, never partitioned by DeepSpeed ZeRO-3's `zero.Init`: an evaluation runs on rank
+    0 alone, and `zero.Init` is a collective the other ranks never join (transformers applies it to every
+    `from_pretrained` while a ZeRO-3 run's config is registered: rank 0's evaluation after a ZeRO-3 run failed on it)."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    ref = hf_deepspeed._hf_deepspeed_config_weak_ref  # the registered config, if any (weakly held)
+    config = ref() if ref is not None else None
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        if config is not None:
+            hf_deepspeed.set_hf_deepspeed_config(config)
+
+
 def gold_evaluation(reference_model: str, tokenizer_path: str | None, dataset, num_prompts: int,
                     max_new_tokens: int = 24, seed: int = 0,
                     backend_for: Callable[[str], GeneratorBackend | None] | None = None,
@@ -227,6 +245,10 @@ def gold_evaluation(reference_model: str, tokenizer_path: str | None, dataset, n
     loaded = {}
 
     def evaluate(model_or_dir):
+        with whole_models():
+            return _evaluate(model_or_dir)
+
+    def _evaluate(model_or_dir):
         if not loaded:
             loaded["tokenizer"] = AutoTokenizer.from_pretrained(tokenizer_path) if tokenizer_path else None
             loaded["reference"] = AutoModelForCausalLM.from_pretrained(reference_model, dtype=torch.float32)

@@ -17,6 +17,7 @@ import os
 import signal
 import tempfile
 import time
+import warnings
 
 import torch
 from torch.utils.data import DataLoader
@@ -134,6 +135,11 @@ class AsyncTrainerBase(Trainer):
                reward_processing_classes, peft_config, compute_metrics, callbacks, optimizers,
                preprocess_logits_for_metrics, init_kwargs):
         """The constructor's expensive part: models, the Trainer, the reward scorer."""
+        # DeepSpeed 0.19's ZeRO-3 calls two collectives torch 2.13 deprecated, and the filters' resets by
+        # `warnings.catch_warnings` elsewhere made each warning print again at every step on every rank (400 lines in
+        # a 100-step, 2-rank run): nothing a user can act on
+        warnings.filterwarnings("ignore", category=FutureWarning,
+                                message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
 
         # ---- models ------------------------------------------------------------------------------------------
         if isinstance(model, str):

@@ -4,7 +4,8 @@ The cluster is two Ray nodes started on this machine: the head, where learner ra
 with no CPUs to give, and a second node with 2 CPUs started under `unshare --mount` with a private tmpfs on
 `/dev/shm`, so a generator placed there cannot read rank 0's shm files, as on another host. Ray places every
 generator on the second node (the only one with CPUs); `weight_transport` 'auto' sees a cluster with a node besides
-rank 0's and sends the weights over the network (a gloo group per actor, joined through its inbox).
+rank 0's and sends the weights over the network (a gloo group per actor, joined through its inbox). Ray's token
+authentication is on (the token in the environment of every process, none written to ~/.ray).
 
 Checks: a run trains to the end at max_staleness 0 with every version loaded, the generator's log-probs equal the
 learner's and the per-sample staleness records hold; an actor killed mid-broadcast is replaced by Ray on the second
@@ -18,6 +19,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -54,38 +56,41 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _alive_nodes(address: str) -> list[dict]:
+def _alive_nodes(address: str, env: dict) -> list[dict]:
     code = ("import json, ray; ray.init(address=%r, log_to_driver=False, configure_logging=False); "
             "print(json.dumps([{'id': n['NodeID'], 'cpus': n['Resources'].get('CPU', 0)} for n in ray.nodes() "
             "if n['Alive']]))" % address)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else []
 
 
 @pytest.fixture(scope="module")
 def two_node_ray(tmp_path_factory):
-    """The address of a two-node Ray cluster on this machine (see the module docstring)."""
+    """(address, head node id, token environment) of a two-node Ray cluster on this machine (see the module
+    docstring), with Ray's token authentication on and the token in the environment (no ~/.ray/auth_token written)."""
     pytest.importorskip("vllm")
     logs = tmp_path_factory.mktemp("ray_cluster")
     address = f"127.0.0.1:{_free_port()}"
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    env = {**os.environ, **auth}
     procs = []
     try:
         head = ["ray", "start", "--head", "--num-cpus", "0", "--port", address.split(":")[1],
                 "--include-dashboard", "false", "--disable-usage-stats", "--block"]
         procs.append(subprocess.Popen(head, stdout=open(logs / "head.log", "w"), stderr=subprocess.STDOUT,
-                                      start_new_session=True))
+                                      start_new_session=True, env=env))
         deadline = time.monotonic() + 120
-        while not _alive_nodes(address):
+        while not _alive_nodes(address, env):
             assert time.monotonic() < deadline, f"Ray head not up within 120 s: {(logs / 'head.log').read_text()}"
             time.sleep(2)
         procs.append(subprocess.Popen(["unshare", "--mount", "sh", "-c", SECOND_NODE.format(address=address)],
                                       stdout=open(logs / "node2.log", "w"), stderr=subprocess.STDOUT,
-                                      start_new_session=True))
-        while len(nodes := _alive_nodes(address)) < 2:
+                                      start_new_session=True, env=env))
+        while len(nodes := _alive_nodes(address, env)) < 2:
             assert time.monotonic() < deadline, f"second Ray node not up within 120 s: {(logs / 'node2.log').read_text()}"
             time.sleep(2)
         head_id = next(n["id"] for n in nodes if n["cpus"] == 0)
-        yield address, head_id
+        yield address, head_id, auth
     finally:
         for p in reversed(procs):  # `ray start --block` stops its node's processes on SIGTERM
             p.send_signal(signal.SIGTERM)
@@ -99,6 +104,8 @@ def two_node_ray(tmp_path_factory):
 @pytest.fixture
 def config(tiny_run_config, two_node_ray, monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", two_node_ray[0])
+    for name, value in two_node_ray[2].items():  # the driver (this process) authenticates like the nodes
+        monkeypatch.setenv(name, value)
     return functools.partial(tiny_run_config, generator_backend="vllm", generator_launcher="ray", max_staleness=0,
                              per_device_train_batch_size=4, max_new_tokens=8, generator_threads=1,
                              weight_sync_timeout=120, generator_start_timeout=600, rollout_timeout=300, seed=7)

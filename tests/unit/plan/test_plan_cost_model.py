@@ -145,6 +145,27 @@ def test_any_node_plan_prints_servers_per_node_and_the_network_flags():
     assert "no command" in any_node_command(cm.Plan(learners=8, generators=1, tp=8, nodes=2), cm.Workload(), 8)
 
 
+def test_cpu_any_node_plan_prints_a_ray_cluster_and_the_learners_with_ray_generators():
+    """CPU plans with `--any_node_generators`: a Ray head on node 0 offering the cores the learners leave, every
+    core of the other nodes, and the learners' command with Ray generators over the network; a routable head address
+    needs --allow_remote, a loopback one (every node on this machine) does not."""
+    from async_rlhf.plan.commands import ray_any_node_command
+
+    plan = cm.Plan(learners=2, generators=3, tp=1, nodes=2, zero_stage=3)
+    lines = ray_any_node_command(plan, cm.Workload(), cores_per_node=4).splitlines()
+    commands = [line for line in lines if not line.startswith("#")][2:]
+    assert lines[1:3] == ["export RAY_AUTH_MODE=token", "ray get-auth-token --generate > /dev/null"]
+    assert commands[0] == "ray start --head --port 6379 --num-cpus 2 --disable-usage-stats"
+    assert commands[1] == "ray start --address <node 0 address>:6379 --num-cpus 4 --disable-usage-stats"
+    assert commands[2].startswith("RAY_ADDRESS=<node 0 address>:6379 accelerate launch --config_file "
+                                  "launch/accelerate/cpu_deepspeed_zero3.yaml --num_processes 2 recipes/online_dpo.py")
+    assert commands[2].endswith("--generator_launcher ray --generator_backend vllm --generator_devices cpu cpu cpu "
+                                "--weight_sync_host <node 0 address> --allow_remote true --output_dir outputs/plan")
+    local = ray_any_node_command(plan, cm.Workload(), cores_per_node=4, head="127.0.0.1")
+    assert "--weight_sync_host 127.0.0.1 --output_dir" in local and "allow_remote" not in local
+    assert "no command" in ray_any_node_command(cm.Plan(learners=6, generators=2, tp=1, nodes=2), cm.Workload(), 4)
+
+
 def test_network_sync_blocks_the_learner_for_the_gather_only():
     """The network transport: no shm write on the learner's side; each generator receives the bytes over its node's
     link at the benchmark's wire/socket ratio."""
