@@ -16,7 +16,12 @@ import argparse
 import sys
 
 from async_rlhf.plan import search as sr
-from async_rlhf.plan.commands import any_node_command, describe, launch_command, ray_any_node_command
+from async_rlhf.plan.commands import (
+    any_node_command,
+    describe,
+    launch_command,
+    ray_any_node_command,
+)
 from async_rlhf.plan.cost_model import Workload
 from async_rlhf.plan.hardware import get_profile, load_profile
 from async_rlhf.plan.model_shapes import resolve_model

@@ -110,8 +110,8 @@ def ray_any_node_command(plan: Plan, w: Workload, cores_per_node: int, head: str
     remote = "" if head.startswith("127.") or head == "localhost" else " --allow_remote true"
     others = plan.nodes - 1
     return "\n".join([
-        "# every node: Ray's token authentication, with the same ~/.ray/auth_token (made once on node 0 by the second"
-        " line)",
+        ("# every node: Ray's token authentication, with the same ~/.ray/auth_token (made once on node 0 by the "
+         "second line)"),
         "export RAY_AUTH_MODE=token",
         "ray get-auth-token --generate > /dev/null",
         f"# node 0 (the learners'; Ray gets its {cores_per_node - plan.learners} spare core(s)):",
@@ -119,9 +119,9 @@ def ray_any_node_command(plan: Plan, w: Workload, cores_per_node: int, head: str
         f"# each of the other {others} node(s):",
         f"ray start --address {head}:6379 --num-cpus {cores_per_node} --disable-usage-stats",
         "# then on node 0:",
-        f"RAY_ADDRESS={head}:6379 {launcher} {flags} --generator_launcher ray --generator_backend vllm "
-        f"--generator_devices {' '.join(['cpu'] * plan.generators)} --weight_sync_host {head}{remote} "
-        f"--output_dir {output_dir}"])
+        (f"RAY_ADDRESS={head}:6379 {launcher} {flags} --generator_launcher ray --generator_backend vllm "
+         f"--generator_devices {' '.join(['cpu'] * plan.generators)} --weight_sync_host {head}{remote} "
+         f"--output_dir {output_dir}")])
 
 
 def describe(plan: Plan) -> str:

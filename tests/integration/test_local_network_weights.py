@@ -16,8 +16,9 @@ import os
 import signal
 
 import pytest
+from mid_broadcast import train_killing_mid_broadcast
 from run_records import check_staleness_records
-from stop_at import StopAt
+from stop_at import check_resume_matches
 
 from async_rlhf import AsyncOnlineDPOTrainer
 from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
@@ -58,23 +59,11 @@ def test_generator_killed_mid_broadcast_is_restarted_and_joins_the_next_version(
                                                                                monkeypatch):
     """SIGKILL the generator once rank 0 starts sending a version's bytes (after both voted): the send fails, the
     pool restarts the generator with a new group, the newest version reaches it first, and the run completes."""
-    from async_rlhf.weight_sync import broadcast
-
-    send_packed, killed, trainer_box = broadcast.send_packed, [], []
-
-    def kill_then_send(group, tensors, bucket_bytes):
-        trainer = trainer_box[0] if trainer_box else None
-        if not killed and trainer is not None and trainer.state.global_step >= 1:
-            os.kill(trainer.pipeline.pool.processes[0].pid, signal.SIGKILL)
-            killed.append(trainer.state.global_step)
-        return send_packed(group, tensors, bucket_bytes)
-
-    monkeypatch.setattr(broadcast, "send_packed", kill_then_send)
     steps = 5
     trainer = AsyncOnlineDPOTrainer(tiny_model_dir, reward_funcs=lowercase_reward, train_dataset=toy_prompts(48),
                                     args=config(tmp_path, max_steps=steps, max_staleness=1))
-    trainer_box.append(trainer)
-    trainer.train()
+    killed = train_killing_mid_broadcast(
+        trainer, lambda t: os.kill(t.pipeline.pool.processes[0].pid, signal.SIGKILL), monkeypatch)
     s = trainer.run_summary
     assert killed, "the generator was never killed mid-broadcast"
     assert s["steps"] == steps
@@ -86,19 +75,6 @@ def test_generator_killed_mid_broadcast_is_restarted_and_joins_the_next_version(
 @pytest.mark.slow
 def test_stopped_and_resumed_network_run_matches_an_uninterrupted_one(tmp_path, tiny_model_dir, config):
     data = toy_prompts(48)
-    full = AsyncOnlineDPOTrainer(tiny_model_dir, reward_funcs=lowercase_reward, train_dataset=data,
-                                 args=config(tmp_path / "full", max_steps=6))
-    full.train()
-    cut = tmp_path / "cut"
-    first = AsyncOnlineDPOTrainer(tiny_model_dir, reward_funcs=lowercase_reward, train_dataset=data,
-                                  args=config(cut, max_steps=6, save_strategy="steps", save_steps=3))
-    first.add_callback(StopAt(3))
-    first.train()
-    resumed = AsyncOnlineDPOTrainer(tiny_model_dir, reward_funcs=lowercase_reward, train_dataset=data,
-                                    args=config(cut, max_steps=6, save_strategy="steps", save_steps=3))
-    resumed.train(resume_from_checkpoint=True)
-    want = {m["step"]: m["loss"] for m in _logged(tmp_path / "full") if "loss" in m}
-    got = {m["step"]: m["loss"] for m in _logged(cut) if "loss" in m}
-    assert sorted(got) == sorted(want) == [1, 2, 3, 4, 5, 6]
-    for step in want:
-        assert got[step] == pytest.approx(want[step], abs=1e-5), (step, want, got)
+    check_resume_matches(lambda out: AsyncOnlineDPOTrainer(
+        tiny_model_dir, reward_funcs=lowercase_reward, train_dataset=data,
+        args=config(out, max_steps=6, save_strategy="steps", save_steps=3)), tmp_path, steps=6, stop=3)

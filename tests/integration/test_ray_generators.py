@@ -28,8 +28,9 @@ import sys
 import time
 
 import pytest
+from mid_broadcast import train_killing_mid_broadcast
 from run_records import check_staleness_records
-from stop_at import StopAt
+from stop_at import check_resume_matches
 
 from async_rlhf import AsyncOnlineDPOTrainer
 from async_rlhf.config.checks import ray_installed
@@ -39,7 +40,7 @@ from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
 def _can_unshare() -> bool:
     if not shutil.which("unshare") or os.geteuid() != 0:
         return False
-    return subprocess.run(["unshare", "--mount", "true"], capture_output=True).returncode == 0
+    return subprocess.run(["unshare", "--mount", "true"], capture_output=True, check=False).returncode == 0
 
 
 pytestmark = [pytest.mark.slow,
@@ -57,10 +58,11 @@ def _free_port() -> int:
 
 
 def _alive_nodes(address: str, env: dict) -> list[dict]:
-    code = ("import json, ray; ray.init(address=%r, log_to_driver=False, configure_logging=False); "
+    code = (f"import json, ray; ray.init(address={address!r}, log_to_driver=False, configure_logging=False); "
             "print(json.dumps([{'id': n['NodeID'], 'cpus': n['Resources'].get('CPU', 0)} for n in ray.nodes() "
-            "if n['Alive']]))" % address)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+            "if n['Alive']]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+                         check=False)
     return json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else []
 
 
@@ -73,19 +75,20 @@ def two_node_ray(tmp_path_factory):
     address = f"127.0.0.1:{_free_port()}"
     auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     env = {**os.environ, **auth}
-    procs = []
+    procs, logs_open = [], []
     try:
         head = ["ray", "start", "--head", "--num-cpus", "0", "--port", address.split(":")[1],
                 "--include-dashboard", "false", "--disable-usage-stats", "--block"]
-        procs.append(subprocess.Popen(head, stdout=open(logs / "head.log", "w"), stderr=subprocess.STDOUT,
-                                      start_new_session=True, env=env))
+        logs_open.append(open(logs / "head.log", "w"))  # noqa: SIM115 (closed at teardown)
+        procs.append(subprocess.Popen(head, stdout=logs_open[-1], stderr=subprocess.STDOUT, start_new_session=True,
+                                      env=env))
         deadline = time.monotonic() + 120
         while not _alive_nodes(address, env):
             assert time.monotonic() < deadline, f"Ray head not up within 120 s: {(logs / 'head.log').read_text()}"
             time.sleep(2)
+        logs_open.append(open(logs / "node2.log", "w"))  # noqa: SIM115 (closed at teardown)
         procs.append(subprocess.Popen(["unshare", "--mount", "sh", "-c", SECOND_NODE.format(address=address)],
-                                      stdout=open(logs / "node2.log", "w"), stderr=subprocess.STDOUT,
-                                      start_new_session=True, env=env))
+                                      stdout=logs_open[-1], stderr=subprocess.STDOUT, start_new_session=True, env=env))
         while len(nodes := _alive_nodes(address, env)) < 2:
             assert time.monotonic() < deadline, f"second Ray node not up within 120 s: {(logs / 'node2.log').read_text()}"
             time.sleep(2)
@@ -99,6 +102,8 @@ def two_node_ray(tmp_path_factory):
                 p.wait(60)
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
+        for f in logs_open:
+            f.close()
 
 
 @pytest.fixture
@@ -147,23 +152,11 @@ def test_actor_killed_mid_broadcast_is_replaced_and_joins_the_next_version(tmp_p
     the run completes."""
     import ray
 
-    from async_rlhf.weight_sync import broadcast
-
-    send_packed, killed, trainer_box = broadcast.send_packed, [], []
-
-    def kill_then_send(group, tensors, bucket_bytes):
-        trainer = trainer_box[0] if trainer_box else None
-        if not killed and trainer is not None and trainer.state.global_step >= 1:
-            ray.kill(trainer.pipeline.pool.processes[0].actor, no_restart=True)
-            killed.append(trainer.state.global_step)
-        return send_packed(group, tensors, bucket_bytes)
-
-    monkeypatch.setattr(broadcast, "send_packed", kill_then_send)
     steps = 5
     trainer = AsyncOnlineDPOTrainer(tiny_model_dir, reward_funcs=lowercase_reward, train_dataset=toy_prompts(48),
                                     args=config(tmp_path, max_steps=steps, max_staleness=1))
-    trainer_box.append(trainer)
-    trainer.train()
+    killed = train_killing_mid_broadcast(
+        trainer, lambda t: ray.kill(t.pipeline.pool.processes[0].actor, no_restart=True), monkeypatch)
     s = trainer.run_summary
     assert killed, "the actor was never killed mid-broadcast"
     assert s["steps"] == steps and s["generator_restarts"] == 1
@@ -173,20 +166,7 @@ def test_actor_killed_mid_broadcast_is_replaced_and_joins_the_next_version(tmp_p
 
 
 def test_stopped_and_resumed_run_on_another_node_matches_an_uninterrupted_one(tmp_path, tiny_model_dir, config):
-    data, steps = toy_prompts(48), 4
-    full = AsyncOnlineDPOTrainer(tiny_model_dir, reward_funcs=lowercase_reward, train_dataset=data,
-                                 args=config(tmp_path / "full", max_steps=steps))
-    full.train()
-    cut = tmp_path / "cut"
-    first = AsyncOnlineDPOTrainer(tiny_model_dir, reward_funcs=lowercase_reward, train_dataset=data,
-                                  args=config(cut, max_steps=steps, save_strategy="steps", save_steps=2))
-    first.add_callback(StopAt(2))
-    first.train()
-    resumed = AsyncOnlineDPOTrainer(tiny_model_dir, reward_funcs=lowercase_reward, train_dataset=data,
-                                    args=config(cut, max_steps=steps, save_strategy="steps", save_steps=2))
-    resumed.train(resume_from_checkpoint=True)
-    want = {m["step"]: m["loss"] for m in _logged(tmp_path / "full") if "loss" in m}
-    got = {m["step"]: m["loss"] for m in _logged(cut) if "loss" in m}
-    assert sorted(got) == sorted(want) == list(range(1, steps + 1))
-    for step in want:
-        assert got[step] == pytest.approx(want[step], abs=1e-5), (step, want, got)
+    data = toy_prompts(48)
+    check_resume_matches(lambda out: AsyncOnlineDPOTrainer(
+        tiny_model_dir, reward_funcs=lowercase_reward, train_dataset=data,
+        args=config(out, max_steps=4, save_strategy="steps", save_steps=2)), tmp_path, steps=4, stop=2)

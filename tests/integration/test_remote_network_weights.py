@@ -21,7 +21,7 @@ import time
 
 import pytest
 from run_records import check_staleness_records
-from stop_at import StopAt
+from stop_at import check_resume_matches
 from test_remote_generators import start_server, stop_server
 
 from async_rlhf import AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer
@@ -111,24 +111,10 @@ def test_stopped_and_resumed_run_on_a_private_shm_server_matches_an_uninterrupte
     version that trains on it, with seeded requests)."""
     address, token, model_dir, _ = private_server
     monkeypatch.setenv(TOKEN_ENV, token)
-    data, steps = toy_prompts(64), 4
-
-    def run(out, stop_at=None, resume=False):
-        trainer = AsyncOnlineDPOTrainer(model_dir, reward_funcs=lowercase_reward, train_dataset=data,
-                                        args=_config(out, address, staleness=0, steps=steps, save_strategy="steps",
-                                                     save_steps=2))
-        if stop_at:
-            trainer.add_callback(StopAt(stop_at))
-        trainer.train(resume_from_checkpoint=resume or None)
-        return {m["step"]: m["loss"] for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
-                if "loss" in m}
-
-    want = run(tmp_path / "full")
-    run(tmp_path / "cut", stop_at=2)
-    got = run(tmp_path / "cut", resume=True)
-    assert sorted(got) == sorted(want) == list(range(1, steps + 1))
-    for step in want:
-        assert got[step] == pytest.approx(want[step], abs=1e-5), (step, want, got)
+    data = toy_prompts(64)
+    check_resume_matches(lambda out: AsyncOnlineDPOTrainer(
+        model_dir, reward_funcs=lowercase_reward, train_dataset=data,
+        args=_config(out, address, staleness=0, steps=4, save_strategy="steps", save_steps=2)), tmp_path, steps=4, stop=2)
     summary = json.loads((tmp_path / "cut" / "run_summary.json").read_text())
     assert summary["generator_places"]["0"]["weights"] == "network", summary["generator_places"]
 
