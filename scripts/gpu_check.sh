@@ -24,6 +24,9 @@ PY
 then
   "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gpu_kit_site \
     .gpu_kit/wheels/*.whl || { echo "gpu_check: installing .gpu_kit/wheels failed" >&2; exit 1; }
+  # compiled once, in parallel: without .pyc files (and with PYTHONDONTWRITEBYTECODE set) every process of the kit
+  # would compile transformers and TRL again at import
+  "$python" -m compileall -q -j 0 /tmp/gpu_kit_site >/dev/null || echo "gpu_check: compileall failed (slower imports)" >&2
   export PYTHONPATH=/tmp/gpu_kit_site${PYTHONPATH:+:$PYTHONPATH}
 fi
 mkdir -p "$out"

@@ -309,6 +309,17 @@ class AsyncRLConfig(TrainingArguments):
                   "the prompt's completions (RLHFless's shared prefix; equal to the unshared forward within float "
                   "tolerance, see benchmarks/shared_prefix.py for the time saved)."},
     )
+    split_forwards: bool | None = field(
+        default=None,
+        metadata={"help": "Run each model once per length bucket, and the reference (`reference_shared_prefix`) and "
+                  "online DPO's policy once per prompt, instead of once on every row padded to the longest. None "
+                  "(default): on CPU learners always (the built-in task's step 1.55x faster on 2 cores); on GPUs for "
+                  "batches whose padded rows hold at least 12,000 tokens (on an H100 the split step of a 203M-"
+                  "parameter policy took 1.87x the padded one's time at 2,560 tokens, where kernel launches bound it, "
+                  "and 0.89x at 21,504; "
+                  "docs/performance.md). True/False: always/never. Never under DeepSpeed (one forward per "
+                  "backward)."},
+    )
     cudnn_attention: bool = field(
         default=False,
         metadata={"help": "Let CUDA learners' scaled-dot-product attention use cuDNN's kernel. Off: cuDNN plans anew "

@@ -367,6 +367,8 @@ UNSUPPORTED = [
 LEARNER_UNSUPPORTED = [
     ("score_while_generating", "DeepSpeed", lambda c, ds, lora: ds and c.score_while_generating,
      "a partitioned reward model needs every rank for each forward", "leave score_while_generating unset (auto)"),
+    ("split_forwards", "DeepSpeed", lambda c, ds, lora: ds and c.split_forwards,
+     "DeepSpeed's engines expect one forward per backward", "leave split_forwards unset (auto)"),
     ("reference_while_generating", "DeepSpeed", lambda c, ds, lora: ds and c.reference_while_generating,
      "it runs on rank 0's scoring thread, which DeepSpeed learners do not have",
      "set reference_while_generating=False"),

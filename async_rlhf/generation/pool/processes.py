@@ -5,25 +5,58 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import sys
+from contextlib import contextmanager
 from multiprocessing.context import SpawnProcess
+from multiprocessing.reduction import ForkingPickler
 
 from async_rlhf.generation.engine.worker import GeneratorSpec, generator_main
 
-# Variables a generator process must not inherit. A spawned process imports the parent's main script again (as
-# `__mp_main__`) before any of our code runs in it, and transformers prints "[INFO] Running in WANDB offline mode"
-# at import wherever WANDB_MODE is "offline": once per generator on the console otherwise. Generators never log to
+# Variables a generator process must not inherit: transformers prints "[INFO] Running in WANDB offline mode" at
+# import wherever WANDB_MODE is "offline": once per generator on the console otherwise. Generators never log to
 # wandb.
 NOT_INHERITED = ("WANDB_MODE",)
 
 
+@contextmanager
+def main_script_hidden(needed: bool):
+    """While a process is spawned, hide the parent's main script from `multiprocessing`, so the child does not
+    import it again as `__mp_main__` (unless `needed`).
+
+    The generator's code lives in this package, so the child needs nothing of the main script, whose imports are
+    most of a generator's start: a recipe imports our trainers (torch, transformers, peft, DeepSpeed: 9-14 s on the
+    2-core development CPU), which the child then paid again while the learner loaded its models on the same cores.
+    `needed` is true when what the child unpickles names `__main__` (a function or class of the user's script)."""
+    main = sys.modules.get("__main__")
+    if needed or main is None:
+        yield
+        return
+    saved = {k: main.__dict__[k] for k in ("__spec__", "__file__") if k in main.__dict__}
+    main.__spec__ = None
+    main.__dict__.pop("__file__", None)
+    try:
+        yield
+    finally:
+        main.__dict__.update(saved)
+        if "__spec__" not in saved:
+            del main.__spec__
+
+
+def names_main_script(obj) -> bool:
+    """Whether unpickling `obj` in a spawned process would need the parent's main script (`__main__`)."""
+    return b"__main__" in bytes(ForkingPickler.dumps(obj))
+
+
 class GeneratorProcess(SpawnProcess):
-    """A spawned generator process whose environment lacks `NOT_INHERITED` (the parent's is unchanged after
-    `start`; processes are started from the main thread only, see `local.py`)."""
+    """A spawned generator process whose environment lacks `NOT_INHERITED` and whose start does not import the
+    parent's main script (`main_script_hidden`); the parent's environment and main module are unchanged after
+    `start` (processes are started from the main thread only, see `local.py`)."""
 
     def start(self) -> None:
         saved = {k: os.environ.pop(k) for k in NOT_INHERITED if k in os.environ}
         try:
-            super().start()
+            with main_script_hidden(needed=names_main_script((self._target, self._args[0]))):
+                super().start()
         finally:
             os.environ.update(saved)
 

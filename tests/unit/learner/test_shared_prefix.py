@@ -86,3 +86,18 @@ def test_sequence_terms_with_a_shared_prefix_reference_and_policy():
     shared = sequence_terms(MODEL, MODEL, gs, shared_prefix=True, policy_shared_prefix=True, **kw)
     for field in ("logps", "ref_logps", "drift_logps", "behaviour", "mask"):
         assert torch.allclose(getattr(plain, field), getattr(shared, field), atol=1e-5), field
+
+
+def test_a_batch_below_split_from_tokens_runs_padded(monkeypatch):
+    import async_rlhf.learner.logprobs as logprobs
+
+    def split(*args, **kwargs):
+        raise AssertionError("split")
+
+    monkeypatch.setattr(logprobs, "shared_prefix_token_logps", split)
+    gs = groups(2)
+    kw = dict(pad_id=TOK.pad_token_id, max_length=64, device="cpu", temperature=1.0, sampling_temperature=1.0,
+              shared_prefix=True, policy_shared_prefix=True)
+    sequence_terms(MODEL, MODEL, gs, split_from_tokens=10**6, **kw)  # every row padded: no split
+    with pytest.raises(AssertionError, match="split"):
+        sequence_terms(MODEL, MODEL, gs, split_from_tokens=1, **kw)
