@@ -310,13 +310,14 @@ def build_into(directory: str, seed: int = 0, sft: SFTSettings | None = None,
     tokenizer.save_pretrained(paths["tokenizer"])
 
     t = time.perf_counter()
-    policy = train_sft(sft, tokenizer, stage=(1, 4), task=task, max_positions=max_positions)
+    stages = 4 if getattr(task, "PROXY_REWARD_MODEL", True) else 2
+    policy = train_sft(sft, tokenizer, stage=(1, stages), task=task, max_positions=max_positions)
     policy.save_pretrained(paths["sft_model"])
     tokenizer.save_pretrained(paths["sft_model"])
     timings["sft_seconds"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    with build_progress.stage(2, 4, "evaluating the SFT policy (gold reward)", 1, unit="pass") as bar:
+    with build_progress.stage(2, stages, "evaluating the SFT policy (gold reward)", 1, unit="pass") as bar:
         test = task.make_splits(seed, sizes={"train": 0, "validation": 0, "test": 256})["test"]
         sft_eval = evaluate_policy(policy, None, num_prompts=256, seed=seed, tokenizer=tokenizer, dataset=test,
                                    reward_fn=task.gold_reward, max_new_tokens=reward.max_new_tokens)
@@ -324,12 +325,14 @@ def build_into(directory: str, seed: int = 0, sft: SFTSettings | None = None,
     timings["sft_eval_seconds"] = time.perf_counter() - t
     del policy
 
-    t = time.perf_counter()
-    reward_model, reward_metrics = train_reward_model(reward, paths["sft_model"], tokenizer, stage=(3, 4, 4),
-                                                       task=task)
-    reward_model.save_pretrained(paths["reward_model"])
-    tokenizer.save_pretrained(paths["reward_model"])
-    timings["reward_model_seconds"] = time.perf_counter() - t
+    reward_metrics = None
+    if getattr(task, "PROXY_REWARD_MODEL", True):  # a verifiable task trains on its gold reward: no proxy model
+        t = time.perf_counter()
+        reward_model, reward_metrics = train_reward_model(reward, paths["sft_model"], tokenizer, stage=(3, 4, 4),
+                                                           task=task)
+        reward_model.save_pretrained(paths["reward_model"])
+        tokenizer.save_pretrained(paths["reward_model"])
+        timings["reward_model_seconds"] = time.perf_counter() - t
     timings["total_seconds"] = time.perf_counter() - start
 
     manifest = {
@@ -371,13 +374,18 @@ def prepare_task(task, cache_dir: str | None = None, seed: int = 0, sft: SFTSett
     with build_lock(cache_dir.rstrip("/") + ".lock"):
         if _is_complete(cache_dir, task):  # another process built it while we waited
             return paths
-        build_progress.announce(f"Building {what} once into {cache_dir}: tokenizer, SFT policy, proxy reward "
-                                f"model ({minutes} minutes on 2 CPU cores; later runs reuse it)")
-        label = what[4:] if what.startswith("the ") else what
+        proxy = getattr(task, "PROXY_REWARD_MODEL", True)
+        build_progress.announce(f"Building {what} once into {cache_dir}: tokenizer, SFT policy"
+                                f"{', proxy reward model' if proxy else ''} ({minutes} minutes on 2 CPU cores; later "
+                                f"runs reuse it)")
+        label = what.removeprefix("the ")
         with (built_atomically(cache_dir) as tmp, _all_cores(), build_progress.without_library_bars(),
               build_progress.building(label)):
             manifest = build_into(tmp, seed, sft, reward, task, max_positions)
+        reward_model = manifest["reward_model"]
         build_progress.announce(f"{what[0].upper() + what[1:]} ready in {manifest['timings']['total_seconds']:.0f} s: "
-                                f"SFT gold win-rate {manifest['sft_gold_win_rate']:.3f}, reward model held-out "
-                                f"accuracy {manifest['reward_model']['eval_accuracy']:.3f}")
+                                f"SFT gold win-rate {manifest['sft_gold_win_rate']:.3f}, SFT gold reward "
+                                f"{manifest['sft_gold_reward']:.3f}" + (
+                                    f", reward model held-out accuracy {reward_model['eval_accuracy']:.3f}"
+                                    if reward_model else ""))
     return paths

@@ -31,7 +31,7 @@ import json
 import math
 import os
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
@@ -228,7 +228,8 @@ def whole_models():
 def gold_evaluation(reference_model: str, tokenizer_path: str | None, dataset, num_prompts: int,
                     max_new_tokens: int = 24, seed: int = 0,
                     backend_for: Callable[[str], GeneratorBackend | None] | None = None,
-                    reward_fn: RewardFunction | None = None, sft_completions_file: str | None = None):
+                    reward_fn: RewardFunction | None = None, sft_completions_file: str | None = None,
+                    temperature: float = 0.0):
     """A task's evaluation function `evaluate(model_or_dir) -> metrics`, or None when `num_prompts` is 0.
 
     reference_model: the model KL and SFT perplexity are measured against, read once (with the tokenizer) at the
@@ -239,7 +240,9 @@ def gold_evaluation(reference_model: str, tokenizer_path: str | None, dataset, n
         transformers in this process.
     reward_fn: the task's gold reward (default: the built-in task's).
     sft_completions_file: where the SFT policy's (`reference_model`'s) greedy completions are cached
-        (`sft_baseline`); given, every evaluation also reports `gold_win_rate_vs_sft`."""
+        (`sft_baseline`); given, every evaluation also reports `gold_win_rate_vs_sft`.
+    temperature: 0 (default) greedy, as the paper; 1 measures the policy that samples (the sorting task, whose SFT
+        policy is right 91% of the time greedily), seeded by `seed`."""
     if num_prompts <= 0:
         return None
     loaded = {}
@@ -261,7 +264,8 @@ def gold_evaluation(reference_model: str, tokenizer_path: str | None, dataset, n
         try:
             return evaluate_policy(model_or_dir, loaded["reference"], num_prompts=num_prompts, seed=seed,
                                    tokenizer=loaded["tokenizer"], dataset=dataset, max_new_tokens=max_new_tokens,
-                                   backend=engine, reward_fn=reward_fn, sft_completions=loaded["sft_completions"])
+                                   backend=engine, reward_fn=reward_fn, sft_completions=loaded["sft_completions"],
+                                   temperature=temperature)
         finally:
             if engine is not None:
                 engine.close()

@@ -22,6 +22,10 @@ def _positions(task: str) -> int:
         from async_rlhf.data.tiny_model import char_tokenizer, tiny_llama
 
         return tiny_llama(char_tokenizer()).config.max_position_embeddings
+    if task == "sorting":
+        from async_rlhf.tasks.build_sorting import MAX_POSITIONS
+
+        return MAX_POSITIONS
     if task == "longtail":
         from async_rlhf.data.longtail_task import SFT_MAX_POSITIONS
 
@@ -31,7 +35,7 @@ def _positions(task: str) -> int:
     return SFT_MAX_POSITIONS
 
 
-@pytest.mark.parametrize("task", ["builtin", "longtail", "toy"])
+@pytest.mark.parametrize("task", ["builtin", "longtail", "sorting", "toy"])
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_task_alone_gives_settings_its_model_holds(recipe, task):
     script, config = parse_args((ScriptArguments, RECIPES[recipe]), ["--task", task], task_defaults(recipe))
