@@ -2,6 +2,8 @@
 
 - `winrate_vs_kl.png`: final score against KL, one point per knob value (N or S), one line per algorithm: the
   paper's Pareto view (does going more off-policy cost reward, KL, or both?);
+- `score_vs_knob.png`: the paper's ablation view: final score against the knob (N or S, log scale), one line per
+  algorithm, error bars one std over seeds; a second panel the same for the gold reward where every run has one;
 - `winrate_vs_wallclock.png`: left, final score against the run's training wall time, synchronous cells (N=1 / S=0)
   hollow squares, asynchronous ones filled circles (what asynchrony saves, and at what score); right, the score
   during the run against elapsed time, one line per cell, synchronous dashed;
@@ -26,8 +28,8 @@ import os
 
 from evals.labels import FALLBACK_NOTE, kl_label, score_label
 
-FILES = ("winrate_vs_kl.png", "winrate_vs_wallclock.png", "winrate_over_steps.png", "winrate_vs_kl_over_training.png",
-         "staleness_histograms.png")
+FILES = ("winrate_vs_kl.png", "score_vs_knob.png", "winrate_vs_wallclock.png", "winrate_over_steps.png",
+         "winrate_vs_kl_over_training.png", "staleness_histograms.png")
 
 
 def _pyplot():
@@ -123,6 +125,38 @@ def winrate_vs_kl(cells, path: str) -> str:
         ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     return _save(fig, path, _notes(cells) + ([] if drawn else ["no cell has both a finite score and KL"]))
+
+
+def score_vs_knob(cells, path: str) -> str:
+    plt = _pyplot()
+    gold_reward = all(not math.isnan(r.eval_value("gold_reward")) for c in cells for r in c.runs)
+    panels = [("score", score_label(cells).rstrip(" †"))] + ([("gold_reward", "final gold reward")] if gold_reward
+                                                              else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.6), squeeze=False)
+    drawn = 0
+    for ax, (what, label) in zip(axes[0], panels):
+        for i, (series, cs) in enumerate(_by_series(cells).items()):
+            pts = []
+            for c in sorted(cs, key=lambda c: c.knob_value):
+                values = [r.score if what == "score" else r.eval_value(what) for r in c.runs]
+                mean = sum(values) / len(values)
+                std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
+                if not math.isnan(mean):
+                    pts.append((c.knob_value, mean, std))
+            if not pts:
+                continue
+            drawn += 1
+            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[_nan0(p[2]) for p in pts], marker="o",
+                        capsize=3, color=f"C{i}", label=series)
+        knob = cells[0].knob_label.split("=")[0] if cells else "knob"
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(f"{knob} (log scale)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        if drawn:
+            ax.legend(fontsize=8)
+    fig.suptitle("Final score against the off-policy knob (mean ± std over seeds)", fontsize=10)
+    return _save(fig, path, _notes(cells) + ([] if drawn else ["no cell has a finite score"]))
 
 
 def winrate_vs_wallclock(cells, path: str) -> str:
@@ -261,6 +295,6 @@ def staleness_histograms(cells, path: str) -> str:
 def draw_all(cells, plots_dir: str) -> list[str]:
     """Every figure of the sweep into plots_dir; returns their paths (always the same files, FILES)."""
     os.makedirs(plots_dir, exist_ok=True)
-    drawers = (winrate_vs_kl, winrate_vs_wallclock, winrate_over_steps, winrate_vs_kl_over_training,
+    drawers = (winrate_vs_kl, score_vs_knob, winrate_vs_wallclock, winrate_over_steps, winrate_vs_kl_over_training,
                staleness_histograms)
     return [draw(cells, os.path.join(plots_dir, name)) for draw, name in zip(drawers, FILES)]

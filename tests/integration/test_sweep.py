@@ -24,8 +24,8 @@ import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SWEEP = os.path.join(ROOT, "launch", "sweep.py")
-PLOTS = ("winrate_vs_kl.png", "winrate_vs_wallclock.png", "winrate_over_steps.png", "winrate_vs_kl_over_training.png",
-         "staleness_histograms.png")
+PLOTS = ("winrate_vs_kl.png", "score_vs_knob.png", "winrate_vs_wallclock.png", "winrate_over_steps.png",
+         "winrate_vs_kl_over_training.png", "staleness_histograms.png")
 
 
 def _sweep(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
