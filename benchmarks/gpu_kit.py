@@ -16,9 +16,11 @@ Parts, in order, each a child process with a time box (`PARTS`: seconds, scaled 
 runs out of time is recorded with the end of its output, and the kit goes on with the next:
   env           the device, library versions, the machine's load
   pytest_gpu    `pytest -m gpu tests/gpu` (the colocated run, CUDA IPC weights; the NCCL test needs 2 GPUs)
-  learner_step  `benchmarks/learner_step.py --device cuda --bf16` on the SFT policy and on wider, deeper random
-                policies (`LEARNER_SIZES`): padded vs length buckets vs shared prefixes, to find the size where the
-                ways that save tokens start to pay (on the 1.2M policy a GPU is launch-bound and they cost 1.8x)
+  learner_step  `benchmarks/learner_step.py --device cuda --bf16` on the SFT policy and on a 203M-parameter random
+                policy at 32 to 256 prompts a step (`LEARNER_SIZES`): padded vs length buckets vs shared prefixes,
+                to find the batch (padded tokens) from which the ways that save tokens pay: where GPU learners'
+                `split_forwards` default starts (`trainers/base.py::GPU_SPLIT_FROM_TOKENS`, 12,000, set between
+                the first H100 run's 2,560 tokens, 1.87x slower, and 21,504, 0.89x)
   colocated     `recipes/online_dpo.py --task toy` with a ~100M-parameter random policy, learner and one
                 transformers generator colocated on cuda:0 (weights as CUDA IPC handles), at max_staleness 0
                 (synchronous) and 1 (asynchronous): sync seconds per GB, the generator's tokens per second, async
@@ -53,8 +55,9 @@ CARRY_LIMIT = 64 * 2**20  # bytes a device call may carry (the tree included)
 WHEELS = ("transformers==5.19.0", "trl==1.16.0", "datasets==5.2.0", "dill==0.4.1", "multiprocess==0.70.19")
 # part -> seconds on the GPU (of a 480 s budget); vs_trl takes what is left
 PARTS = {"env": 20, "pytest_gpu": 100, "learner_step": 100, "colocated": 120, "vs_trl": 140}
-# (hidden size, layers) of the random policies timed besides the SFT policy; (0, 0) is the SFT policy itself
-LEARNER_SIZES = [(0, 0), (512, 8), (1024, 12), (2048, 16)]
+# (hidden size, layers, prompts a step) timed; (0, 0, ...) is the SFT policy itself. 32 prompts x 2 rows of the
+# built-in task are about 2,560 padded tokens, 256 prompts about 21,500.
+LEARNER_SIZES = [(0, 0, 32), (1024, 12, 32), (1024, 12, 64), (1024, 12, 128), (1024, 12, 256)]
 COLOCATED_MODEL = dict(hidden_size=1024, num_layers=8, num_heads=16)  # ~100M parameters, 0.2 GB in bf16
 TAIL = 3000  # characters of a failed part's output kept in the JSON
 
@@ -218,6 +221,7 @@ def part_env(kit: Kit, timeout: float) -> dict:
     import torch
 
     out = {"python": platform.python_version(), "cores": os.cpu_count(),
+           "PYTHONDONTWRITEBYTECODE": os.environ.get("PYTHONDONTWRITEBYTECODE"),
            "load": " ".join(open("/proc/loadavg").read().split()[:3]) if os.path.exists("/proc/loadavg") else "?"}
     for name in ("torch", "transformers", "accelerate", "peft", "trl", "datasets", "vllm"):
         try:
@@ -244,28 +248,30 @@ def part_pytest_gpu(kit: Kit, timeout: float) -> dict:
 
 def part_learner_step(kit: Kit, timeout: float) -> dict:
     dry = kit.args.dry_run
-    sizes = [(0, 0), (128, 2)] if dry else LEARNER_SIZES
+    sizes = [(0, 0, 4), (128, 2, 4)] if dry else LEARNER_SIZES
     deadline = time.monotonic() + timeout
     rows = []
-    for hidden, layers in sizes:
-        path = os.path.join(kit.out, f"learner_step_{hidden}x{layers}.json")
+    for hidden, layers, prompts in sizes:
+        path = os.path.join(kit.out, f"learner_step_{hidden}x{layers}_{prompts}.json")
         cmd = [sys.executable, "benchmarks/learner_step.py", "--device", kit.args.device, "--json", path,
-               "--repeats", "1" if dry else "5"]
-        cmd += ["--task", "toy", "--prompts", "4"] if dry else ["--bf16"] if kit.args.device == "cuda" else []
+               "--repeats", "1" if dry else "5", "--prompts", str(prompts)]
+        cmd += ["--task", "toy"] if dry else ["--bf16"] if kit.args.device == "cuda" else []
         if hidden:
             cmd += ["--hidden_size", str(hidden), "--layers", str(layers)]
         try:
             kit.sh("learner_step", cmd, max(5.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            rows.append({"hidden_size": hidden, "layers": layers, "status": "timeout"})
+            rows.append({"hidden_size": hidden, "layers": layers, "prompts": prompts, "status": "timeout"})
             break  # bigger sizes would not fit the time box either
-        r = json.load(open(path))
+        with open(path) as f:
+            r = json.load(f)
         totals = {m: v["total"] for m, v in r["results"].items()}
         rows.append({"hidden_size": r["hidden_size"], "layers": r["layers"], "parameters": r["parameters"],
+                     "prompts": prompts, "padded_tokens": r["tokens"]["padded"],
                      "ms": {m: round(1000 * t, 2) for m, t in totals.items()},
                      "default_vs_padded": round(totals["padded"] / totals["shared prefix, both"], 3)})
     paying = [r for r in rows if r.get("default_vs_padded", 0) > 1.0]
-    return {"sizes": rows, "pays_from_parameters": paying[0]["parameters"] if paying else None}
+    return {"sizes": rows, "pays_from_tokens": min((r["padded_tokens"] for r in paying), default=None)}
 
 
 def part_colocated(kit: Kit, timeout: float) -> dict:
@@ -412,16 +418,17 @@ def markdown(results: dict) -> str:
         elif name == "learner_step":
             for r in p["sizes"]:
                 if "ms" not in r:
-                    row(name, f"{r['hidden_size']}x{r['layers']}", r["status"])
+                    row(name, f"{r['hidden_size']}x{r['layers']}, {r['prompts']} prompts", r["status"])
                     continue
                 ms = r["ms"]
-                row(name, f"{r['parameters'] / 1e6:.1f}M params (hidden {r['hidden_size']}, {r['layers']} layers): "
-                          "ms/step padded / buckets / shared-prefix ref / both (default)",
+                row(name, f"{r['parameters'] / 1e6:.1f}M params (hidden {r['hidden_size']}, {r['layers']} layers), "
+                          f"{r['prompts']} prompts ({r['padded_tokens']} padded tokens): ms/step padded / buckets / "
+                          "shared-prefix ref / both",
                     f"{ms['padded']} / {ms['buckets']} / {ms['shared prefix, ref']} / {ms['shared prefix, both']}"
                     f" ({r['default_vs_padded']}x)")
-            pays = p["pays_from_parameters"]
-            row(name, "length buckets + shared prefixes pay from", f"{pays / 1e6:.1f}M parameters" if pays else
-                "no size timed")
+            pays = p["pays_from_tokens"]
+            row(name, "shared prefixes (both) pay from", f"{pays} padded tokens (GPU_SPLIT_FROM_TOKENS is 12000)"
+                if pays else "no batch timed")
         elif name == "colocated":
             row(name, "policy", f"{p['model_parameters'] / 1e6:.1f}M parameters, {p['steps']} steps, weights over "
                                 f"{p['weight_transport']}")
