@@ -35,6 +35,9 @@ class AsyncOnlineDPOConfig(AsyncRLConfig):
 
 
 OFF_POLICY_CORRECTIONS = ("auto", "none", "tis", "decoupled", "masked")
+# 'auto' picks TIS up to this many steps of token staleness and the clipped ratio beyond: measured level at 3 and
+# collapsing at 15 on the sorting task (evals/results/sorting_staleness); between, unmeasured.
+TIS_MAX_STALENESS = 3
 
 
 @dataclass
@@ -57,20 +60,24 @@ class AsyncPolicyGradientConfig(AsyncRLConfig):
                   "2021), weight pi_prox/mu, tokens above is_cap dropped. 'masked': masked IS with two-sided bounds "
                   "(IcePop-style), weight pi_prox/mu, tokens outside [is_floor, is_cap] dropped. 'auto' (default): "
                   "'none' when no token can be stale (max_staleness 0: parity with synchronous training, "
-                  "tests/integration/test_sync_parity.py), else 'tis' for RLOO, PPO and GRPO: plain PPO one step "
-                  "stale failed where TIS trained (marin #8955: GSM8k 2/128 against 98/128, Qwen3-0.6B), an "
-                  "unclipped loss diverged at 3 steps (Tinker cookbook #822), PipelineRL and TRL's vLLM correction "
-                  "ship token-level TIS; on our toy task at N = 4 it ended highest for RLOO and PPO, level for GRPO "
-                  "(one seed, evals/results/off_policy_defaults). Online DPO takes no correction: its loss has no "
-                  "importance ratio (the paper's most staleness-robust learner). The resolved value is what the run "
-                  "records."},
+                  "tests/integration/test_sync_parity.py); 'tis' for RLOO, PPO and GRPO when tokens can be 1 to "
+                  "TIS_MAX_STALENESS (3) steps stale: plain PPO one step stale failed where TIS trained (marin "
+                  "#8955: GSM8k 2/128 against 98/128, Qwen3-0.6B), PipelineRL and TRL's vLLM correction ship "
+                  "token-level TIS, and at N = 4 it ended highest on our toy task for RLOO and PPO (one seed, "
+                  "evals/results/off_policy_defaults) and level with 'none' on the sorting task (two seeds, "
+                  "evals/results/sorting_staleness); 'none' beyond: at N = 16 on the sorting task TIS collapsed "
+                  "RLOO and PPO below the SFT policy (gold reward 0.96-1.0 against 1.05; 'none' 1.44-1.47), since "
+                  "its weights keep pushing tokens the policy has already moved past, where the ratio clipped "
+                  "against mu stops them (an unclipped loss also diverged at 3 steps in the Tinker cookbook, #822). "
+                  "Online DPO takes no correction: its loss has no importance ratio. The resolved value is what the "
+                  "run records."},
     )
     is_cap: float = field(default=2.0, metadata={"help": "Upper bound of the importance weights ('tis', "
                                                          "'decoupled', 'masked')."})
     is_floor: float = field(default=0.5, metadata={"help": "Lower bound of the importance weights ('masked'): "
                                                            "tokens with pi_prox/mu below it are dropped."})
 
-    stale_correction = "tis"  # what 'auto' resolves to when tokens can be stale
+    stale_correction = "tis"  # what 'auto' resolves to when tokens can be 1 to TIS_MAX_STALENESS steps stale
 
     def __post_init__(self):
         check_types(self)
@@ -84,7 +91,8 @@ class AsyncPolicyGradientConfig(AsyncRLConfig):
         _require(0 <= self.is_floor < 1, "is_floor", f"must be in [0, 1), got {self.is_floor}")
         super().__post_init__()
         if self.off_policy_correction == "auto":  # after the shared checks: max_staleness may come from N
-            self.off_policy_correction = "none" if self.max_token_staleness() == 0 else self.stale_correction
+            stale = self.max_token_staleness()
+            self.off_policy_correction = self.stale_correction if 1 <= stale <= TIS_MAX_STALENESS else "none"
         super().__post_init__()
 
 

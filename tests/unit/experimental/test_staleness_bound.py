@@ -145,5 +145,8 @@ def test_auto_correction_follows_what_tokens_can_be_stale(make_config):
     assert make_config(AsyncRLOOConfig, max_staleness=0).off_policy_correction == "none"
     assert make_config(AsyncRLOOConfig, max_staleness=1).off_policy_correction == "tis"
     assert make_config(AsyncRLOOConfig, num_mini_batches=4).off_policy_correction == "tis"  # max_staleness 3 from N
+    # beyond TIS_MAX_STALENESS the clipped ratio: TIS collapsed RLOO and PPO at N = 16 (sorting task, two seeds)
+    assert make_config(AsyncRLOOConfig, num_mini_batches=16).off_policy_correction == "none"
+    assert make_config(AsyncRLOOConfig, max_staleness=4).off_policy_correction == "none"
     assert make_config(AsyncRLOOConfig, max_staleness=1, off_policy_correction="none").off_policy_correction == "none"
     assert not hasattr(make_config(AsyncOnlineDPOConfig), "off_policy_correction")  # DPO: no importance ratio
