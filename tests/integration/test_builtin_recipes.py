@@ -72,7 +72,7 @@ def test_prepare_builtin_caches_rebuilds_on_new_version_and_never_leaves_half_a_
         builds.append(directory)
         os.makedirs(directory, exist_ok=True)
         with open(os.path.join(directory, "manifest.json"), "w") as f:
-            json.dump({"task_version": builtin_task.TASK_VERSION, "sft_gold_win_rate": 0.3,
+            json.dump({"task_version": builtin_task.TASK_VERSION, "sft_gold_win_rate": 0.3, "sft_gold_reward": 1.0,
                        "reward_model": {"eval_accuracy": 0.7}, "timings": {"total_seconds": 0.0}}, f)
         return json.load(open(os.path.join(directory, "manifest.json")))
 
