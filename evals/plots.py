@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import os
 
+from evals.cells import mean_std
 from evals.labels import FALLBACK_NOTE, kl_label, score_label
 
 FILES = ("winrate_vs_kl.png", "score_vs_knob.png", "winrate_vs_wallclock.png", "winrate_over_steps.png",
@@ -138,9 +139,7 @@ def score_vs_knob(cells, path: str) -> str:
         for i, (series, cs) in enumerate(_by_series(cells).items()):
             pts = []
             for c in sorted(cs, key=lambda c: c.knob_value):
-                values = [r.score if what == "score" else r.eval_value(what) for r in c.runs]
-                mean = sum(values) / len(values)
-                std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
+                mean, std = c.stat("score") if what == "score" else mean_std([r.eval_value(what) for r in c.runs])
                 if not math.isnan(mean):
                     pts.append((c.knob_value, mean, std))
             if not pts:

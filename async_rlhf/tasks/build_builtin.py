@@ -310,7 +310,8 @@ def build_into(directory: str, seed: int = 0, sft: SFTSettings | None = None,
     tokenizer.save_pretrained(paths["tokenizer"])
 
     t = time.perf_counter()
-    stages = 4 if getattr(task, "PROXY_REWARD_MODEL", True) else 2
+    proxy = getattr(task, "PROXY_REWARD_MODEL", True)  # a verifiable task trains on its gold reward: no proxy model
+    stages = 4 if proxy else 2
     policy = train_sft(sft, tokenizer, stage=(1, stages), task=task, max_positions=max_positions)
     policy.save_pretrained(paths["sft_model"])
     tokenizer.save_pretrained(paths["sft_model"])
@@ -326,7 +327,7 @@ def build_into(directory: str, seed: int = 0, sft: SFTSettings | None = None,
     del policy
 
     reward_metrics = None
-    if getattr(task, "PROXY_REWARD_MODEL", True):  # a verifiable task trains on its gold reward: no proxy model
+    if proxy:
         t = time.perf_counter()
         reward_model, reward_metrics = train_reward_model(reward, paths["sft_model"], tokenizer, stage=(3, 4, 4),
                                                            task=task)
