@@ -17,10 +17,10 @@ runs out of time is recorded with the end of its output, and the kit goes on wit
   env           the device, library versions, the machine's load
   pytest_gpu    `pytest -m gpu tests/gpu` (the colocated run, CUDA IPC weights; the NCCL test needs 2 GPUs)
   learner_step  `benchmarks/learner_step.py --device cuda --bf16` on the SFT policy and on a 203M-parameter random
-                policy at 32 to 256 prompts a step (`LEARNER_SIZES`): padded vs length buckets vs shared prefixes,
-                to find the batch (padded tokens) from which the ways that save tokens pay: where GPU learners'
-                `split_forwards` default starts (`trainers/base.py::GPU_SPLIT_FROM_TOKENS`, 12,000, set between
-                the first H100 run's 2,560 tokens, 1.87x slower, and 21,504, 0.89x)
+                policy at 32 to 384 prompts a step (`LEARNER_SIZES`): padded vs length buckets vs shared prefixes,
+                to find the batch (padded tokens) from which the ways that save tokens pay. GPU learners run padded
+                by default (`trainers/base.py::splits_forwards`): two H100 runs found none that clearly paid from
+                2,560 to 34,560 padded tokens
   colocated     `recipes/online_dpo.py --task toy` with a ~100M-parameter random policy, learner and one
                 transformers generator colocated on cuda:0 (weights as CUDA IPC handles), at max_staleness 0
                 (synchronous) and 1 (asynchronous): sync seconds per GB, the generator's tokens per second, async
@@ -54,10 +54,10 @@ CARRY_LIMIT = 64 * 2**20  # bytes a device call may carry (the tree included)
 # dependencies the image already has (huggingface-hub 1.33, tokenizers 0.23.2, pyarrow, pandas, xxhash, fsspec)
 WHEELS = ("transformers==5.19.0", "trl==1.16.0", "datasets==5.2.0", "dill==0.4.1", "multiprocess==0.70.19")
 # part -> seconds on the GPU (of a 480 s budget); vs_trl takes what is left
-PARTS = {"env": 20, "pytest_gpu": 100, "learner_step": 100, "colocated": 120, "vs_trl": 140}
+PARTS = {"env": 20, "pytest_gpu": 100, "learner_step": 110, "colocated": 120, "vs_trl": 130}
 # (hidden size, layers, prompts a step) timed; (0, 0, ...) is the SFT policy itself. 32 prompts x 2 rows of the
-# built-in task are about 2,560 padded tokens, 256 prompts about 21,500.
-LEARNER_SIZES = [(0, 0, 32), (1024, 12, 32), (1024, 12, 64), (1024, 12, 128), (1024, 12, 256)]
+# built-in task are about 2,560 padded tokens, 128 about 10,500, 384 about 34,500.
+LEARNER_SIZES = [(0, 0, 32), (1024, 12, 32), (1024, 12, 128), (1024, 12, 384)]
 COLOCATED_MODEL = dict(hidden_size=1024, num_layers=8, num_heads=16)  # ~100M parameters, 0.2 GB in bf16
 TAIL = 3000  # characters of a failed part's output kept in the JSON
 
@@ -427,7 +427,7 @@ def markdown(results: dict) -> str:
                     f"{ms['padded']} / {ms['buckets']} / {ms['shared prefix, ref']} / {ms['shared prefix, both']}"
                     f" ({r['default_vs_padded']}x)")
             pays = p["pays_from_tokens"]
-            row(name, "shared prefixes (both) pay from", f"{pays} padded tokens (GPU_SPLIT_FROM_TOKENS is 12000)"
+            row(name, "shared prefixes (both) pay from", f"{pays} padded tokens (GPU learners run padded unless split_forwards is true)"
                 if pays else "no batch timed")
         elif name == "colocated":
             row(name, "policy", f"{p['model_parameters'] / 1e6:.1f}M parameters, {p['steps']} steps, weights over "

@@ -313,10 +313,9 @@ class AsyncRLConfig(TrainingArguments):
         default=None,
         metadata={"help": "Run each model once per length bucket, and the reference (`reference_shared_prefix`) and "
                   "online DPO's policy once per prompt, instead of once on every row padded to the longest. None "
-                  "(default): on CPU learners always (the built-in task's step 1.55x faster on 2 cores); on GPUs for "
-                  "batches whose padded rows hold at least 12,000 tokens (on an H100 the split step of a 203M-"
-                  "parameter policy took 1.87x the padded one's time at 2,560 tokens, where kernel launches bound it, "
-                  "and 0.89x at 21,504; "
+                  "(default): on CPU learners (the built-in task's step 1.55x faster on 2 cores), not on GPUs (on an "
+                  "H100 the split step of a 203M-parameter policy took 1.93x the padded one's time at 2,560 padded "
+                  "tokens a step, where kernel launches bound it, and 0.89x-1.12x of it from 15,744 to 34,560; "
                   "docs/performance.md). True/False: always/never. Never under DeepSpeed (one forward per "
                   "backward)."},
     )

@@ -167,7 +167,7 @@ class SequenceTerms:
 
 def sequence_terms(model, ref_model, groups: list[ScoredGroup], *, pad_id: int, max_length: int, device,
                    temperature: float, sampling_temperature: float, select=None, shared_prefix: bool = False,
-                   policy_shared_prefix: bool = False, split_forwards: bool = True, split_from_tokens: int = 0,
+                   policy_shared_prefix: bool = False, split_forwards: bool = True,
                    fused_temperature: float | None = None) -> SequenceTerms:
     """The rows `select` ((group, completion) pairs; default every completion of every group) packed once and run
     through the policy (with gradient) and the reference (without; `ref_model` None: the LoRA policy with its
@@ -176,9 +176,7 @@ def sequence_terms(model, ref_model, groups: list[ScoredGroup], *, pad_id: int, 
 
     `split_forwards` (False under DeepSpeed, whose engines expect one forward per backward): each model runs once
     per length bucket (`length_buckets`) instead of once on rows all padded to the longest, and the two options
-    below apply, on batches whose rows padded to the longest hold at least `split_from_tokens` tokens (smaller ones
-    run padded: see `config.split_forwards`). `shared_prefix`: the reference runs each group's prompt once
-    (`shared_prefix_logps`).
+    below apply. `shared_prefix`: the reference runs each group's prompt once (`shared_prefix_logps`).
     `policy_shared_prefix`: so does the policy, with gradient (worth it when groups give several rows, as online
     DPO's chosen and rejected rows do). Either falls back to the padded forward when a row is cut to `max_length`.
     Every way gives the same log-probs within float tolerance (tests/unit/learner/test_shared_prefix.py).
@@ -187,7 +185,6 @@ def sequence_terms(model, ref_model, groups: list[ScoredGroup], *, pad_id: int, 
     that the completions carry (`Completion.ref_logprobs`, `experimental/fused_reference.py`); when it is `temperature` and every
     row carries them, the reference does not run here. None: never use carried values."""
     ids, attn, comp, completions = completion_batch(groups, pad_id, max_length, device, select)
-    split_forwards = split_forwards and ids.numel() >= split_from_tokens
     buckets = length_buckets(attn.sum(-1).tolist()) if split_forwards else [list(range(len(ids)))]
     mask = comp[:, 1:].to(torch.float32)  # as `token_logps` lays out its result
     out = None

@@ -51,11 +51,6 @@ from async_rlhf.trainers.trl_compat import check_trl_arguments, set_trl_attribut
 from async_rlhf.types import RolloutBatch, SamplingSettings, ScoredGroup
 
 LOG_HISTORY_KEPT = 100  # entries of `state.log_history` kept in memory; metrics.jsonl holds them all
-# By default a GPU learner splits its forwards (length buckets, shared prefixes) only for a batch whose rows padded to
-# the longest hold this many tokens. On an H100 (bf16, 203M-parameter policy, online DPO's shared prefixes) the split
-# step took 1.87x the padded one at 2,560 tokens and 0.89x at 21,504 (docs/performance.md, GPU evidence kit): the
-# cross-over lies between, and this is about its middle.
-GPU_SPLIT_FROM_TOKENS = 12_000
 
 
 class AsyncTrainerBase(Trainer):
@@ -210,20 +205,18 @@ class AsyncTrainerBase(Trainer):
         """How `logprobs.sequence_terms` packs this trainer's rows (one forward per model under DeepSpeed)."""
         return {"pad_id": self.processing_class.pad_token_id, "max_length": self.args.max_length,
                 "device": self.accelerator.device, "shared_prefix": self.args.reference_shared_prefix,
-                "split_forwards": self.splits_forwards(), "split_from_tokens": self.split_from_tokens(),
+                "split_forwards": self.splits_forwards(),
                 "fused_temperature": self.reference_temperature() if self.fuses_reference() else None}
 
     def splits_forwards(self) -> bool:
-        """`split_forwards` resolved (with `split_from_tokens`): never under DeepSpeed (True there is refused)."""
-        return self.args.split_forwards is not False and not self.is_deepspeed_enabled
-
-    def split_from_tokens(self) -> int:
-        """The smallest padded batch (rows x longest row, tokens) that `sequence_terms` splits: any on CPU or when
-        `split_forwards` is True; by default on GPUs `GPU_SPLIT_FROM_TOKENS`, below which kernel launches, not
-        tokens, bound the step."""
-        if self.args.split_forwards or self.accelerator.device.type == "cpu":
-            return 0
-        return GPU_SPLIT_FROM_TOKENS
+        """`split_forwards` resolved: by default on CPU learners only (on an H100 the split step never clearly beat
+        the padded one, 2,560 to 34,560 padded tokens a step: docs/performance.md, GPU evidence kit); never under
+        DeepSpeed (True there is refused)."""
+        if self.is_deepspeed_enabled:
+            return False
+        if self.args.split_forwards is None:
+            return self.accelerator.device.type == "cpu"
+        return self.args.split_forwards
 
     def reference_temperature(self) -> float:
         """The loss's reference temperature (`sequence_terms`' `temperature`; online DPO and Best-of-N: 1)."""

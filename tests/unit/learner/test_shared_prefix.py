@@ -88,7 +88,7 @@ def test_sequence_terms_with_a_shared_prefix_reference_and_policy():
         assert torch.allclose(getattr(plain, field), getattr(shared, field), atol=1e-5), field
 
 
-def test_a_batch_below_split_from_tokens_runs_padded(monkeypatch):
+def test_split_forwards_false_runs_every_row_padded(monkeypatch):
     import async_rlhf.learner.logprobs as logprobs
 
     def split(*args, **kwargs):
@@ -98,6 +98,6 @@ def test_a_batch_below_split_from_tokens_runs_padded(monkeypatch):
     gs = groups(2)
     kw = dict(pad_id=TOK.pad_token_id, max_length=64, device="cpu", temperature=1.0, sampling_temperature=1.0,
               shared_prefix=True, policy_shared_prefix=True)
-    sequence_terms(MODEL, MODEL, gs, split_from_tokens=10**6, **kw)  # every row padded: no split
+    sequence_terms(MODEL, MODEL, gs, split_forwards=False, **kw)  # a GPU learner's default: no split
     with pytest.raises(AssertionError, match="split"):
-        sequence_terms(MODEL, MODEL, gs, split_from_tokens=1, **kw)
+        sequence_terms(MODEL, MODEL, gs, split_forwards=True, **kw)

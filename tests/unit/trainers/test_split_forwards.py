@@ -1,7 +1,6 @@
-"""`split_forwards`: length buckets and shared prefixes by default on CPU learners always and on GPU learners for
-batches of `GPU_SPLIT_FROM_TOKENS` padded tokens (on an H100 the split step of a 203M-parameter policy took 1.87x
-the padded one's time at 2,560 tokens and 0.89x at 21,504, docs/performance.md), forced either way by the user,
-refused under DeepSpeed."""
+"""`split_forwards`: length buckets and shared prefixes by default on CPU learners, not on GPU learners (on an H100 the
+split step of a 203M-parameter policy took 1.93x the padded one's time at 2,560 padded tokens and 0.89x-1.12x of it
+from 15,744 to 34,560, docs/performance.md), forced either way by the user, refused under DeepSpeed."""
 
 from types import SimpleNamespace
 
@@ -10,22 +9,22 @@ import torch
 
 from async_rlhf.config.checks import check_learner_combinations
 from async_rlhf.errors import ConfigError
-from async_rlhf.trainers.base import GPU_SPLIT_FROM_TOKENS, AsyncTrainerBase
+from async_rlhf.trainers.base import AsyncTrainerBase
 
 
-def resolved(split_forwards, device: str, deepspeed: bool = False) -> tuple[bool, int]:
+def resolved(split_forwards, device: str, deepspeed: bool = False) -> bool:
     trainer = SimpleNamespace(args=SimpleNamespace(split_forwards=split_forwards), is_deepspeed_enabled=deepspeed,
                               accelerator=SimpleNamespace(device=torch.device(device)))
-    return AsyncTrainerBase.splits_forwards(trainer), AsyncTrainerBase.split_from_tokens(trainer)
+    return AsyncTrainerBase.splits_forwards(trainer)
 
 
 @pytest.mark.parametrize("setting, device, deepspeed, expected", [
-    (None, "cpu", False, (True, 0)),
-    (None, "cuda", False, (True, GPU_SPLIT_FROM_TOKENS)),
-    (True, "cuda", False, (True, 0)),
-    (False, "cpu", False, (False, 0)),
-    (False, "cuda", False, (False, GPU_SPLIT_FROM_TOKENS)),
-    (None, "cpu", True, (False, 0)),
+    (None, "cpu", False, True),
+    (None, "cuda", False, False),
+    (True, "cuda", False, True),
+    (False, "cpu", False, False),
+    (False, "cuda", False, False),
+    (None, "cpu", True, False),
 ])
 def test_split_forwards_resolves_per_device(setting, device, deepspeed, expected):
     assert resolved(setting, device, deepspeed) == expected
