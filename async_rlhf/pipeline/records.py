@@ -106,6 +106,9 @@ class PipelineRecords:
             "sync/bytes": float(self.sync_bytes),
             "sync/gather_seconds": self.timers["sync_gather"],
             "sync/transfer_seconds": self.timers["sync_transfer"],
+            # what the learner is blocked for at one sync, on average (gather or partition copy + publish)
+            "sync/blocked_seconds": (self.timers["sync_gather"] + self.timers["sync_transfer"]) / self.syncs
+            if self.syncs else 0.0,
             "sync/load_seconds": self.load_seconds,
             "generator/busy_seconds": self.busy_seconds,
             **(speculation_metrics(self.spec) if self.spec else {}),

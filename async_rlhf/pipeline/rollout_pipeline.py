@@ -52,6 +52,8 @@ from async_rlhf.pipeline.staleness_queue import StalenessQueue
 from async_rlhf.scoring.stage import ScoringStage
 from async_rlhf.types import GenerationRequest, RolloutBatch, SamplingSettings
 from async_rlhf.weight_sync import gather_full_state
+from async_rlhf.weight_sync.gather import is_zero3_partitioned
+from async_rlhf.weight_sync.partitions import PartitionStore
 from async_rlhf.weight_sync.transport import WeightTransport
 
 logger = logging.getLogger(__name__)
@@ -97,6 +99,7 @@ class RolloutPipeline:
         self._load_lock = threading.Lock()  # the two above: dispatch (main thread) and the reader thread
         self.forming = batch_forming(self)
         self._step_batch: RolloutBatch | None = None  # the current step's whole batch (see `micro_batch`)
+        self._partitions: PartitionStore | None | bool = None  # `_partition_store`: None undecided, False not used
 
     @property
     def regenerated(self) -> int:
@@ -171,6 +174,9 @@ class RolloutPipeline:
         if self.transport is not None:
             self.transport.close()
             self.transport = None
+        if self._partitions:  # after the pool: its last sends gather from every rank
+            self._partitions.close(wait=0.0 if failed else self.args.weight_sync_timeout + 30.0)
+            self._partitions = False
         if self.scoring is not None:
             self.scoring.close()
 
@@ -244,7 +250,11 @@ class RolloutPipeline:
         timers = self.records.timers
         if version % self.args.sync_every == 0:
             t0 = time.perf_counter()
-            state = gather_full_state(model, self.is_main, device=getattr(self.transport, "device", "cpu"))
+            partitions = self._partition_store(model)
+            if partitions is not None:  # ZeRO-3 on the network: each rank keeps its partitions, no gather now
+                state = partitions.take(version)
+            else:
+                state = gather_full_state(model, self.is_main, device=getattr(self.transport, "device", "cpu"))
             t1 = time.perf_counter()
             if self.is_main and self._sync_failure is None:
                 try:
@@ -264,6 +274,24 @@ class RolloutPipeline:
             self.forming.dispatch()
             if self.pool is not None:
                 self.scheduling.after_step(version, timers["wait"], self.queued_version)
+
+    def _partition_store(self, model) -> PartitionStore | None:
+        """Every rank, at the first sync: a `PartitionStore` when the policy is ZeRO-3 partitioned and every generator
+        takes the network (`weight_transport="network"`), else None (the full state is gathered to rank 0). Decided
+        from the config and the model alone, so every rank decides alike (opening it is a collective)."""
+        if self._partitions is False:
+            return None
+        if self._partitions is None:
+            import torch.distributed as dist
+
+            if not (self.args.weight_transport == "network" and is_zero3_partitioned(model)
+                    and dist.is_initialized() and dist.get_world_size() > 1):
+                self._partitions = False
+                return None
+            self._partitions = PartitionStore.open(model, self.args.weight_sync_timeout)
+            if self.is_main and hasattr(self.transport, "partitions"):
+                self.transport.partitions = self._partitions
+        return self._partitions
 
     def check(self) -> None:
         """Rank 0, while it waits for rollouts: a failed generator, an overdue stage or a failed scoring raises."""

@@ -37,7 +37,7 @@ import datetime
 import math
 import secrets
 import socket
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -144,6 +144,25 @@ class WeightGroup:
         self._pg.allreduce([flag], options).wait()
         return bool(flag.item())
 
+    def gather(self, tensor: torch.Tensor, out: list[torch.Tensor] | None = None) -> list[torch.Tensor] | None:
+        """Every member's `tensor` (same size everywhere) on rank 0, in rank order, into `out` if given (contiguous
+        tensors, views of one buffer may do); None on the other members."""
+        from torch.distributed import GatherOptions
+
+        options = self._options(GatherOptions)
+        options.rootRank = 0
+        if self.rank != 0:
+            out = None
+        elif out is None:
+            out = [torch.empty_like(tensor) for _ in range(self.info.world_size)]
+        self._pg.gather([out] if out is not None else [], [tensor], options).wait()
+        return out
+
+    @property
+    def store(self):
+        """The group's store (rank 0 serves it): a member may pass small keys through it (`partitions.py`)."""
+        return self._store
+
     def close(self) -> None:
         try:
             self._pg.shutdown()
@@ -229,22 +248,37 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().view(-1).view(torch.uint8)
 
 
-def send_packed(group: WeightGroup, tensors: Sequence[torch.Tensor], bucket_bytes: int) -> None:
-    """Rank 0: broadcast `tensors` (CPU) bucket by bucket, in order. Buckets of several tensors are packed into one
-    buffer the group keeps (each broadcast returns only when sent, so it is free again): memory touched once, not a
-    fresh allocation per bucket, whose page faults cost more than the copy itself on the machines measured."""
-    dtypes = [str(t.dtype).removeprefix("torch.") for t in tensors]
-    for bucket in bucket_plan(dtypes, [list(t.shape) for t in tensors], bucket_bytes):
-        parts = [_as_bytes(tensors[i]) for i in bucket]
-        if len(parts) == 1:
-            group.broadcast(parts[0])
+def send_packed(group: WeightGroup, tensors: Iterable[torch.Tensor], bucket_bytes: int) -> None:
+    """Rank 0: broadcast `tensors` (CPU) bucket by bucket, in order, as `bucket_plan` cuts them. `tensors` may be a
+    lazy stream (`partitions.PartitionedState`): the plan depends only on each tensor's size in turn, so a bucket is
+    sent as soon as it is complete and nothing past it has to exist yet. Buckets of several tensors are packed into
+    one buffer the group keeps (each broadcast returns only when sent, so it is free again): memory touched once, not
+    a fresh allocation per bucket, whose page faults cost more than the copy itself on the machines measured."""
+    solo = min(SOLO_BYTES, bucket_bytes)
+    pending: list[torch.Tensor] = []
+
+    def flush() -> None:
+        if len(pending) == 1:
+            group.broadcast(pending[0])
+        elif pending:
+            size = sum(p.numel() for p in pending)
+            if group.pack_buffer is None or group.pack_buffer.numel() < size:
+                group.pack_buffer = torch.empty(size, dtype=torch.uint8)
+            packed = group.pack_buffer[:size]
+            torch.cat(pending, out=packed)
+            group.broadcast(packed)
+        pending.clear()
+
+    for tensor in tensors:
+        part = _as_bytes(tensor)
+        if part.numel() >= solo:
+            flush()
+            group.broadcast(part)
             continue
-        size = sum(p.numel() for p in parts)
-        if group.pack_buffer is None or group.pack_buffer.numel() < size:
-            group.pack_buffer = torch.empty(size, dtype=torch.uint8)
-        packed = group.pack_buffer[:size]
-        torch.cat(parts, out=packed)
-        group.broadcast(packed)
+        pending.append(part)
+        if sum(p.numel() for p in pending) >= bucket_bytes:
+            flush()
+    flush()
 
 
 def receive_packed(group: WeightGroup, names: Sequence[str], dtypes: Sequence[str],

@@ -31,6 +31,7 @@ so it joins at the next version sent after it is up.
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
 import threading
@@ -39,6 +40,7 @@ import torch
 
 from async_rlhf.config.checks import NETWORK_BACKENDS
 from async_rlhf.types import WeightUpdate
+from async_rlhf.weight_sync.partitions import PartitionStore, state_meta
 from async_rlhf.weight_sync.shm import ShmWeightTransport
 
 PROBE_PREFIX = "async_rlhf-probe-"
@@ -65,10 +67,11 @@ def reads_probe(path: str, nonce: str) -> bool:
         return False
 
 
-def update_metadata(state: dict[str, torch.Tensor]) -> dict:
-    return {"names": list(state), "dtypes": [str(t.dtype).removeprefix("torch.") for t in state.values()],
-            "shapes": [list(t.shape) for t in state.values()],
-            "num_bytes": sum(t.numel() * t.element_size() for t in state.values())}
+def update_metadata(state) -> dict:
+    """A `WeightUpdate`'s names, dtypes, shapes and size for a state dict or a `partitions.PartitionedState`."""
+    meta = state_meta(state)
+    return {"names": [n for n, _, _ in meta], "dtypes": [str(d).removeprefix("torch.") for _, d, _ in meta],
+            "shapes": [s for _, _, s in meta], "num_bytes": sum(math.prod(s) * d.itemsize for _, d, s in meta)}
 
 
 class StateTransport:
@@ -86,6 +89,10 @@ class StateTransport:
         self._lock = threading.Lock()
         self.send_seconds = 0.0  # summed over generators and versions, on the pool's sender threads
         self.sends = 0
+        # ZeRO-3 with every generator on the network: the states are rank 0's partitions (`partitions.py`), set by
+        # the pipeline at its first sync
+        self.partitions: PartitionStore | None = None
+        self.held_bytes_peak = 0  # full states held for the network at once (without partitions)
 
     def use(self, transport: str) -> None:
         if transport == "shm" and self._shm is None:
@@ -100,6 +107,9 @@ class StateTransport:
         if self.network:
             with self._lock:
                 self._states[version] = state
+                if self.partitions is None:
+                    held = sum(update_metadata(s)["num_bytes"] for s in self._states.values())
+                    self.held_bytes_peak = max(self.held_bytes_peak, held)
         return WeightUpdate(version=version, transport="network", path=path, **update_metadata(state))
 
     def state(self, version: int) -> dict[str, torch.Tensor]:
@@ -118,6 +128,8 @@ class StateTransport:
         with self._lock:
             for v in [v for v in self._states if v < version]:
                 del self._states[v]
+        if self.partitions is not None:
+            self.partitions.release(version)
 
     def record_send(self, seconds: float) -> None:
         with self._lock:
@@ -125,8 +137,15 @@ class StateTransport:
             self.sends += 1
 
     def stats(self) -> dict[str, float]:
+        """`sync/network_send_seconds`: mean seconds of one version's send to one generator; `sync/held_bytes_peak`:
+        the most bytes rank 0 held at once for the network (full states, or its partitions plus a send's bucket)."""
+        out = self.partitions.stats() if self.partitions is not None else {}
         with self._lock:
-            return {"sync/network_send_seconds": self.send_seconds / max(self.sends, 1)} if self.sends else {}
+            if self.network and self.partitions is None:
+                out["sync/held_bytes_peak"] = float(self.held_bytes_peak)
+            if self.sends:
+                out["sync/network_send_seconds"] = self.send_seconds / self.sends
+        return out
 
     def close(self) -> None:
         if self._shm is not None:

@@ -51,6 +51,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from async_rlhf.weight_sync import broadcast
 from async_rlhf.weight_sync.broadcast import GroupInfo, WeightBroadcastError, WeightGroup
+from async_rlhf.weight_sync.partitions import state_meta
 from async_rlhf.weight_sync.vllm_shm_engine import ShmWeightTransferEngine, register_backend
 
 BACKEND = "async_rlhf_gloo"
@@ -160,8 +161,9 @@ class GlooWeightTransferEngine(ShmWeightTransferEngine):
 
 
 class StateSource(WeightSource):
-    """vLLM's `WeightSource` over a full state dict of CPU tensors that nobody mutates (the gathered copy); `state`
-    may be replaced between rounds (one version per round). With `device` (vLLM's nccl engine on a GPU), each
+    """vLLM's `WeightSource` over a full state dict of CPU tensors that nobody mutates (the gathered copy), or a
+    `partitions.PartitionedState` (ZeRO-3: assembled as it is iterated); `state` may be replaced between rounds (one
+    version per round). With `device` (vLLM's nccl engine on a GPU), each
     tensor is copied there as it is iterated, so one tensor at a time, not the state, sits on the device."""
 
     def __init__(self, state: dict[str, torch.Tensor] | None = None, device: torch.device | None = None) -> None:
@@ -169,7 +171,7 @@ class StateSource(WeightSource):
         self.device = device
 
     def metadata(self) -> list[ParamMeta]:
-        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.state.items()]
+        return [ParamMeta(n, dtype, tuple(shape)) for n, dtype, shape in state_meta(self.state)]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self.state.items():
@@ -279,13 +281,16 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         if not accepted:
             updated()  # raises the generator's reason (it refused before any byte moved)
             raise WeightBroadcastError("weight sync: the generator refused the update (no reason came back)")
-        tensors = []
-        for (name, tensor), m in zip(self.source, meta, strict=True):
-            if name != m.name or tensor.dtype != m.dtype or tuple(tensor.shape) != m.shape:
-                raise ValueError(f"WeightSource iteration disagrees with its metadata at {name!r}")
-            tensors.append(tensor)
+        def tensors():  # lazily: a partitioned source assembles each bucket as it is sent (`partitions.py`)
+            for (name, tensor), m in zip(self.source, meta, strict=True):
+                if name != m.name or tensor.dtype != m.dtype or tuple(tensor.shape) != m.shape:
+                    raise ValueError(f"WeightSource iteration disagrees with its metadata at {name!r}")
+                yield tensor
+
         try:
-            broadcast.send_packed(self.group, tensors, self.bucket_bytes)
+            broadcast.send_packed(self.group, tensors(), self.bucket_bytes)
+        except ValueError:
+            raise
         except Exception as exc:
             raise WeightBroadcastError(f"weight sync: broadcasting the weights failed or timed out "
                                        f"({self.timeout:.0f}s): {exc}") from exc

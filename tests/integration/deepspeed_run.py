@@ -55,6 +55,7 @@ def train_and_check(args) -> None:
     from async_rlhf.data.tiny_model import save_tiny_model
     from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
     from async_rlhf.weight_sync import ShmWeightTransport, gather_full_state
+    from async_rlhf.weight_sync.partitions import PartitionStore
 
     trainer_cls, config_cls, extra = {
         "online_dpo": (AsyncOnlineDPOTrainer, AsyncOnlineDPOConfig, {"beta": 0.1}),
@@ -63,7 +64,8 @@ def train_and_check(args) -> None:
     config = config_cls(output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=2,
                         num_generations=2, max_new_tokens=8, max_length=48, learning_rate=1e-2,
                         lr_scheduler_type="constant", temperature=1.0, max_staleness=1, disable_tqdm=True, seed=1,
-                        generator_backend="vllm", rollout_timeout=300, report_to="none", **extra)
+                        generator_backend="vllm", rollout_timeout=300, report_to="none",
+                        weight_transport=args.weight_transport, **extra)
     model_dir = os.path.join(args.output_dir, "init_model")
     with config.main_process_first(desc="tiny model"):
         if not os.path.isfile(os.path.join(model_dir, "config.json")):
@@ -87,9 +89,22 @@ def train_and_check(args) -> None:
     # the sync, as the pipeline does it, and DeepSpeed's own consolidation to compare with (both collectives)
     gathered = gather_full_state(trainer.model_wrapped, acc.is_main_process)
     reference = acc.get_state_dict(trainer.model_wrapped)
+    partitioned = facts["zero_stage"] == 3 and acc.num_processes > 1
+    if partitioned:  # the network path's way under ZeRO-3: partitions kept per rank, assembled on rank 0
+        store = PartitionStore.open(trainer.model_wrapped, timeout=120.0, bucket_bytes=1 << 14)
+        state = store.take(args.steps)
     if not acc.is_main_process:
+        if partitioned:
+            store.close(wait=300.0)  # serves rank 0's assembly until its "stop"
         return
     reference = {k: v.detach().cpu() for k, v in reference.items()}
+    if partitioned:
+        assembled = dict(state.items())
+        store.close()
+        facts["partitions_names_match"] = list(assembled) == list(reference)
+        facts["partitions_max_abs_diff"] = max((assembled[k].float() - reference[k].float()).abs().max().item()
+                                               for k in reference)
+        facts["partitions_held_bytes_peak"] = store.held_bytes_peak
     facts["gathered_names_match"] = list(gathered) == list(reference)
     facts["gathered_max_abs_diff"] = max((gathered[k].float() - reference[k].float()).abs().max().item()
                                          for k in reference)
@@ -175,6 +190,8 @@ if __name__ == "__main__":
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--reward_model", action="store_true", help="score with a (tiny) reward model")
+    parser.add_argument("--weight_transport", default="auto", help="the run's weight_transport (network: under "
+                        "ZeRO-3 the partitions path, weight_sync/partitions.py)")
     parser.add_argument("--load_into_vllm", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model_dir", default=None, help=argparse.SUPPRESS)
     cli = parser.parse_args()

@@ -69,6 +69,10 @@ def _check_zero3_sync_and_partitioning(facts: dict) -> None:
     # the generator computes with exactly the learner's (trained) weights, every parameter
     assert facts["generator_max_abs_diff"] <= 1e-6, facts
     assert facts["params_changed_by_training"] == facts["generator_params"] > 0
+    # the network path's assembly from each rank's partitions (`weight_sync/partitions.py`) equals DeepSpeed's own
+    # consolidation, and rank 0 never held the whole state for it
+    assert facts["partitions_names_match"] and facts["partitions_max_abs_diff"] == 0.0
+    assert facts["partitions_held_bytes_peak"] < facts["sync_bytes"], facts
 
 
 @pytest.mark.slow  # ~5 min on 2 cores incl. DeepSpeed's first-use compile; launch configs are checked in the default suite
@@ -79,10 +83,15 @@ def test_zero3_online_dpo_trains_and_the_generator_gets_the_learners_weights(tmp
 
 
 @pytest.mark.slow
-def test_zero3_rloo_with_a_partitioned_reward_model(tmp_path):
-    run = _helper_run(tmp_path, "cpu_deepspeed_zero3.yaml", "--algorithm", "rloo", "--reward_model")
+def test_zero3_rloo_with_a_partitioned_reward_model_on_the_network_transport(tmp_path):
+    """Also the network transport under ZeRO-3: each rank keeps its partitions, rank 0 assembles them bucket by
+    bucket as it sends (`weight_sync/partitions.py`), and never holds a whole version for it."""
+    run = _helper_run(tmp_path, "cpu_deepspeed_zero3.yaml", "--algorithm", "rloo", "--reward_model",
+                      "--weight_transport", "network")
     _check_run(run, zero_stage=3)
     _check_zero3_sync_and_partitioning(run["facts"])
+    last = run["steps"][-1]
+    assert last["sync/partitioned"] == 1.0 and last["sync/held_bytes_peak"] > 0, last
     reward = run["facts"]["reward_model"]
     assert reward["type"] == "DeepSpeedEngine" and abs(reward["local_fraction"] - 0.5) < 0.01, reward
 
