@@ -254,9 +254,10 @@ class AsyncRLConfig(TrainingArguments):
                   "host, the network otherwise: a server that cannot read learner rank 0's shm_dir is recognised "
                   "by a probe file), or 'shm' / 'ipc' / 'network' for all (refused, naming the generator, where it "
                   "cannot work). 'network' is vLLM's weight-transfer interface over a group of its own per "
-                  "generator: our gloo backend on CPU, vLLM's nccl one on GPUs (network_backend). Under ZeRO-3, 'network' "
-                  "also keeps each version as every learner's own partitions, assembled bucket by bucket as it is "
-                  "sent, so learner rank 0 never holds a whole version (weight_sync/partitions.py)."},
+                  "generator: our gloo backend on CPU, vLLM's nccl one on GPUs (network_backend). Under ZeRO-3, when every "
+                  "generator takes the network, each version is kept as every learner's own partitions and "
+                  "assembled bucket by bucket as it is sent, so learner rank 0 never holds a whole version "
+                  "(weight_sync/partitions.py)."},
     )
     network_backend: str = field(
         default="auto", metadata={"help": "The network transport's engine: 'gloo' (CPU; the generator runs our "

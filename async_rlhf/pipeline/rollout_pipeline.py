@@ -277,15 +277,21 @@ class RolloutPipeline:
 
     def _partition_store(self, model) -> PartitionStore | None:
         """Every rank, at the first sync: a `PartitionStore` when the policy is ZeRO-3 partitioned and every generator
-        takes the network (`weight_transport="network"`), else None (the full state is gathered to rank 0). Decided
-        from the config and the model alone, so every rank decides alike (opening it is a collective)."""
+        takes the network (`weight_transport="network"`, or "auto" where rank 0's transport carries only network
+        updates: servers on other hosts, Ray actors across nodes), else None (the full state is gathered to rank 0).
+        Every rank decides alike (rank 0's view is broadcast), since opening it is a collective."""
         if self._partitions is False:
             return None
         if self._partitions is None:
             import torch.distributed as dist
 
-            if not (self.args.weight_transport == "network" and is_zero3_partitioned(model)
-                    and dist.is_initialized() and dist.get_world_size() > 1):
+            use = (self.args.weight_transport in ("network", "auto") and is_zero3_partitioned(model)
+                   and dist.is_initialized() and dist.get_world_size() > 1)
+            if use and self.args.weight_transport == "auto":
+                view = [bool(self.is_main and getattr(self.transport, "network_only", lambda: False)())]
+                dist.broadcast_object_list(view, src=0)
+                use = view[0]
+            if not use:
                 self._partitions = False
                 return None
             self._partitions = PartitionStore.open(model, self.args.weight_sync_timeout)

@@ -102,6 +102,10 @@ class StateTransport:
         elif transport not in ("shm", "network"):
             raise ValueError(f"StateTransport carries shm and network updates, not {transport!r}")
 
+    def network_only(self) -> bool:
+        """Whether every generator in use takes the network (none needs a file of the whole state)."""
+        return self.network and self._shm is None
+
     def publish(self, state: dict[str, torch.Tensor], version: int) -> WeightUpdate:
         path = self._shm.publish(state, version).path if self._shm is not None else ""
         if self.network:

@@ -96,3 +96,15 @@ def test_state_transport_writes_shm_only_when_used_and_keeps_states_until_releas
     with pytest.raises(KeyError, match="v1 are not held"):
         transport.state(1)
     transport.close()
+
+
+def test_a_transport_is_network_only_until_a_generator_takes_shm(tmp_path):
+    """What decides, under ZeRO-3 with `weight_transport='auto'`, that the learners keep partitions instead of
+    gathering (`pipeline/rollout_pipeline.py::_partition_store`): no generator needs a file of the whole state."""
+    transport = StateTransport(str(tmp_path))
+    assert not transport.network_only()  # nothing in use yet
+    transport.use("network")
+    assert transport.network_only()
+    transport.use("shm")
+    assert not transport.network_only()
+    transport.close()
