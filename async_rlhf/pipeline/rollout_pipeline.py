@@ -294,7 +294,13 @@ class RolloutPipeline:
             if not use:
                 self._partitions = False
                 return None
-            self._partitions = PartitionStore.open(model, self.args.weight_sync_timeout)
+            try:
+                self._partitions = PartitionStore.open(model, self.args.weight_sync_timeout)
+            except ValueError as exc:  # raised alike on every rank, before any collective
+                if self.is_main:
+                    logger.warning("weights: gathering the whole state at each sync, not keeping partitions: %s", exc)
+                self._partitions = False
+                return None
             if self.is_main and hasattr(self.transport, "partitions"):
                 self.transport.partitions = self._partitions
         return self._partitions

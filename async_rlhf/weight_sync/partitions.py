@@ -115,12 +115,16 @@ class PartitionStore:
     def open(cls, model: torch.nn.Module, timeout: float,
              bucket_bytes: int = broadcast.DEFAULT_BUCKET_BYTES) -> PartitionStore:
         """Every learner rank, at the same point: rank 0 binds the group's store on MASTER_ADDR and the others learn
-        where through the learners' own process group (one object broadcast)."""
+        where through the learners' own process group (one object broadcast). Raises ValueError, naming the
+        parameter, before any collective when a parameter is not a plain ZeRO-3 partition (`_check_layout`)."""
         import torch.distributed as dist
 
         from async_rlhf.weight_sync.gather import _unwrap
 
         rank, world = dist.get_rank(), dist.get_world_size()
+        model = _unwrap(model)
+        for name, p in model.named_parameters():  # before any collective: every rank refuses alike
+            _check_layout(name, p, world)
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")
         sock, payload = None, [None]
         if rank == 0:
@@ -131,7 +135,7 @@ class PartitionStore:
         dist.broadcast_object_list(payload, src=0)
         info = GroupInfo.from_dict(payload[0])
         group = WeightGroup(info, rank=rank, listen_socket=sock)
-        return cls(_unwrap(model), group, rank, world, timeout, bucket_bytes)
+        return cls(model, group, rank, world, timeout, bucket_bytes)
 
     # ---- every rank ------------------------------------------------------------------------------------
     def take(self, version: int) -> PartitionedState | None:
@@ -315,6 +319,9 @@ def _check_layout(name: str, p: torch.nn.Parameter, world_size: int) -> None:
     ds = getattr(p, "ds_tensor", None)
     if ds is None or not hasattr(p, "ds_numel") or not hasattr(p, "ds_shape"):
         raise ValueError(f"{name}: not a ZeRO-3 partitioned parameter (no ds_tensor / ds_numel / ds_shape)")
+    if "nvme" in str(getattr(ds, "final_location", "")).lower():
+        raise ValueError(f"{name}: its partition is offloaded to NVMe (swapped out between uses); the partitions "
+                         "path reads partitions in place, so it supports parameters on the device or in CPU memory")
     if ds.numel() != math.ceil(p.ds_numel / world_size):
         raise ValueError(f"{name}: partition of {ds.numel()} elements, expected ceil({p.ds_numel} / {world_size}) "
                          "(a partition group other than all learners, e.g. ZeRO++'s hpZ, is not supported)")
