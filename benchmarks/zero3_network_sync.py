@@ -13,7 +13,8 @@ Two learner ranks partition a random Llama with DeepSpeed's own `zero.Init` (glo
 generator process that only receives (vote, packed buckets, a closing vote: `weight_broadcast.py`'s receiver).
 Medians of --repeats rounds after a warm-up. "blocked" is rank 0's time in the learner's sync (every rank's in the
 gather way), "send" the round to the generator (in a run it goes on a sender thread, beside training), "held" the
-most bytes rank 0 held at once for the network (full state, or its partitions plus one bucket being assembled).
+most bytes rank 0 held at once for the network, keeping (as the transport does) the version the generator has until
+the next one is sent: two full states, or two versions' partitions plus one bucket being assembled.
 On the 2-core machine the two learners and the generator share the cores, so the send also waits for CPU.
 """
 
@@ -70,6 +71,7 @@ def measure(model, rank: int, repeats: int, threads: int) -> dict:
     # the gather way: every rank gathers, rank 0 keeps the copy and sends from it
     blocked, send = [], []
     receiver = group = None
+    previous = None  # the transport keeps the version the generator has until it has loaded the next one
     for r in range(repeats + 1):
         dist.barrier()
         t0 = time.perf_counter()
@@ -84,14 +86,17 @@ def measure(model, rank: int, repeats: int, threads: int) -> dict:
                 blocked.append(t1 - t0)
                 send.append(time.perf_counter() - t1)
             out["state_bytes"] = update_metadata(state)["num_bytes"]
+            held = out["state_bytes"] * (2 if previous is not None else 1)
+            out["gather_held"] = max(out.get("gather_held", 0), held)
+            previous = state
     if rank == 0:
         receiver.join(60)
         group.close()
         out["gather"] = {"blocked": statistics.median(blocked), "send": statistics.median(send),
-                         "held_bytes": out["state_bytes"]}
+                         "held_bytes": out.pop("gather_held")}
         out["socket"] = socket_send_seconds(state, 1, repeats)
-    del state
-    # the partitions way
+    del state, previous
+    # the partitions way (the same retention: version r is released once r + 1 has been sent)
     store = PartitionStore.open(model, timeout=600.0)
     blocked, send = [], []
     receiver = group = None
@@ -107,7 +112,7 @@ def measure(model, rank: int, repeats: int, threads: int) -> dict:
             if r:
                 blocked.append(t1 - t0)
                 send.append(time.perf_counter() - t1)
-            store.release(r + 1)  # the generator has it: older versions go, on every rank
+            store.release(r + 1)  # the generator has r + 1: older versions go, on every rank
     if rank == 0:
         receiver.join(60)
         group.close()

@@ -187,15 +187,21 @@ NETWORK_WIRE_RATIO = 1.36
 
 def sync_seconds(shape: ModelShape, dev: DeviceProfile, plan: Plan, network: bool = False) -> tuple[float, float]:
     """(learner seconds per sync, generator seconds per load) for the shared-memory transport, or with `network` for
-    the network transport (generators on any node): the learner is blocked for the gather only (the send runs on the
-    pool's thread), and a generator's load is the bytes over the node's link at `NETWORK_WIRE_RATIO` of a socket."""
+    the network transport (generators on any node): the learner is blocked for its copy of the weights only (the send
+    runs on the pool's thread), and a generator's load is the bytes over the node's link at `NETWORK_WIRE_RATIO` of a
+    socket. Under ZeRO-3 on the network each learner copies only its own partitions and rank 0 gathers the rest while
+    it sends (`weight_sync/partitions.py`), so the gather moves from the learner's side to the generator's."""
     size = dev.dtype_bytes * shape.params
     if dev.sync_seconds_per_gb is not None and not network:
         return size / GB * dev.sync_seconds_per_gb, size / GB * (dev.load_seconds_per_gb or dev.sync_seconds_per_gb)
     gather = size / _learner_link(dev, plan) if plan.zero_stage == 3 and plan.learners > 1 else 0.0
     to_host = size / dev.host_bandwidth if dev.kind == "gpu" else 0.0
     if network:
-        return gather + to_host, size * NETWORK_WIRE_RATIO / (dev.network_bandwidth * dev.comm_efficiency)
+        wire = size * NETWORK_WIRE_RATIO / (dev.network_bandwidth * dev.comm_efficiency)
+        if gather:
+            copy = size / plan.learners / (dev.host_bandwidth if dev.kind == "gpu" else dev.shm_bandwidth)
+            return copy, gather + wire
+        return to_host, wire
     publish = gather + to_host + size / dev.shm_bandwidth
     load = size / dev.shm_bandwidth + (size / plan.tp / dev.host_bandwidth if dev.kind == "gpu" else 0.0)
     return publish, load

@@ -166,12 +166,17 @@ def test_cpu_any_node_plan_prints_a_ray_cluster_and_the_learners_with_ray_genera
     assert "no command" in ray_any_node_command(cm.Plan(learners=6, generators=2, tp=1, nodes=2), cm.Workload(), 4)
 
 
-def test_network_sync_blocks_the_learner_for_the_gather_only():
+def test_network_sync_blocks_the_learner_for_its_own_copy_only():
     """The network transport: no shm write on the learner's side; each generator receives the bytes over its node's
-    link at the benchmark's wire/socket ratio."""
-    plan = cm.Plan(learners=8, generators=2, tp=2, nodes=2)
-    shm_publish, _ = cm.sync_seconds(SEVEN_B, H100, plan)
-    publish, load = cm.sync_seconds(SEVEN_B, H100, plan, network=True)
+    link at the benchmark's wire/socket ratio. Under ZeRO-3 each learner copies only its partitions to the host and
+    the gather goes with the send (`weight_sync/partitions.py`); under ZeRO-2 rank 0 copies the whole state."""
     size = H100.dtype_bytes * SEVEN_B.params
-    assert publish == pytest.approx(shm_publish - size / H100.shm_bandwidth)
-    assert load == pytest.approx(size * cm.NETWORK_WIRE_RATIO / (H100.network_bandwidth * H100.comm_efficiency))
+    wire = size * cm.NETWORK_WIRE_RATIO / (H100.network_bandwidth * H100.comm_efficiency)
+    zero3 = cm.Plan(learners=8, generators=2, tp=2, nodes=2)
+    shm_publish, _ = cm.sync_seconds(SEVEN_B, H100, zero3)
+    publish, load = cm.sync_seconds(SEVEN_B, H100, zero3, network=True)
+    gather = shm_publish - size / H100.host_bandwidth - size / H100.shm_bandwidth
+    assert publish == pytest.approx(size / 8 / H100.host_bandwidth)
+    assert load == pytest.approx(gather + wire)
+    zero2 = cm.Plan(learners=8, generators=2, tp=2, nodes=2, zero_stage=2)
+    assert cm.sync_seconds(SEVEN_B, H100, zero2, network=True) == pytest.approx((size / H100.host_bandwidth, wire))
