@@ -10,7 +10,7 @@ from async_rlhf import AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer
 from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
 
 
-@pytest.mark.parametrize("staleness,backend", [(0, "transformers"), (1, "vllm"),
+@pytest.mark.parametrize("staleness,backend", [pytest.param(0, "transformers", marks=pytest.mark.slow), (1, "vllm"),
                                                pytest.param(1, "transformers", marks=pytest.mark.slow)])
 def test_two_generators_share_each_batch_and_track_every_version(tmp_path, tiny_model_dir, staleness, backend):
     # transformers: batch-level (a chunk per generator); vllm: streamed groups, spread by expected token load
