@@ -256,18 +256,20 @@ def send_packed(group: WeightGroup, tensors: Iterable[torch.Tensor], bucket_byte
     a fresh allocation per bucket, whose page faults cost more than the copy itself on the machines measured."""
     solo = min(SOLO_BYTES, bucket_bytes)
     pending: list[torch.Tensor] = []
+    size = 0  # bytes in `pending`
 
     def flush() -> None:
+        nonlocal size
         if len(pending) == 1:
             group.broadcast(pending[0])
         elif pending:
-            size = sum(p.numel() for p in pending)
             if group.pack_buffer is None or group.pack_buffer.numel() < size:
                 group.pack_buffer = torch.empty(size, dtype=torch.uint8)
             packed = group.pack_buffer[:size]
             torch.cat(pending, out=packed)
             group.broadcast(packed)
         pending.clear()
+        size = 0
 
     for tensor in tensors:
         part = _as_bytes(tensor)
@@ -276,7 +278,8 @@ def send_packed(group: WeightGroup, tensors: Iterable[torch.Tensor], bucket_byte
             group.broadcast(part)
             continue
         pending.append(part)
-        if sum(p.numel() for p in pending) >= bucket_bytes:
+        size += part.numel()
+        if size >= bucket_bytes:
             flush()
     flush()
 
