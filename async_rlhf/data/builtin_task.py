@@ -37,6 +37,7 @@ models (see `tasks/build_builtin.py`) are keyed by it.
 
 from __future__ import annotations
 
+import functools
 import random
 from collections import Counter
 from dataclasses import dataclass
@@ -162,6 +163,7 @@ def ideal_summary(post: Post) -> str:
     return " " + " ".join(post.key_words) + "."
 
 
+@functools.lru_cache(maxsize=8)  # a recipe's setup asks for the same 8192-row split several times (1-2 s each)
 def make_split(num_rows: int, seed: int, split: str, conversational: bool = False) -> Dataset:
     """One split: `prompt`, `completion` (an SFT demonstration) and `reference` (a human reference summary)."""
     return split_rows(num_rows, f"{seed}-{split}", conversational, sample_post,

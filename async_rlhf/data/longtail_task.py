@@ -33,6 +33,7 @@ the cached models (`tasks/build_longtail.py`) are keyed by it.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from collections import Counter
@@ -157,6 +158,7 @@ def ideal_summary(post: Post) -> str:
     return render(post.items)
 
 
+@functools.lru_cache(maxsize=8)  # a recipe's setup asks for the same 8192-row split several times (1-2 s each)
 def make_split(num_rows: int, seed: int, split: str, conversational: bool = False) -> Dataset:
     """One split: `prompt`, `completion` (an SFT demonstration), `reference` (a human reference summary)."""
     return split_rows(num_rows, f"{NAME}-{seed}-{split}", conversational, sample_post,

@@ -172,7 +172,8 @@ def test_exhausted_restarts_with_two_learner_ranks_checkpoint_on_both(tmp_path):
 
 
 # ---- kill -9 during a checkpoint save ------------------------------------------------------------------------------
-@pytest.mark.parametrize("where", ["hang_in_save", pytest.param("hang_mid_save", marks=pytest.mark.slow)])
+@pytest.mark.slow  # ~50 s a case; the default tier keeps the marker's own test (unit/learner/test_checkpoint_markers.py)
+@pytest.mark.parametrize("where", ["hang_in_save", "hang_mid_save"])
 def test_kill_minus_9_during_a_save_keeps_the_previous_checkpoint_resumable(tmp_path, where):
     out, shm = tmp_path / "run", tmp_path / "shm"  # a killed run cannot remove its weight files: keep them here
     shm.mkdir()

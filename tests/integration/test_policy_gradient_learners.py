@@ -1,5 +1,7 @@
 """RLOO, PPO and Best-of-2 on the same asynchronous loop as online DPO: real generator processes (vLLM for RLOO),
-shared-memory weight sync, max_staleness 0 and 2, staleness bound checked from the run's records."""
+shared-memory weight sync, max_staleness 0 and 2, staleness bound checked from the run's records. The runs at
+max_staleness 0 are in the slow tier (`test_sync_parity.py` trains RLOO and PPO at 0 in the default tier); each run
+starts only when a test asks for it."""
 
 from __future__ import annotations
 
@@ -29,27 +31,42 @@ LEARNERS = {
 VLLM_RUN = ("rloo", 2)
 
 
+def _train(tmp_path_factory, tiny_model_dir, name: str, staleness: int):
+    trainer_cls, config_cls, extra = LEARNERS[name]
+    d = tmp_path_factory.mktemp(f"{name}-{staleness}")
+    config = config_cls(output_dir=str(d), max_steps=STEPS, per_device_train_batch_size=4,
+                        max_new_tokens=10, max_length=48, learning_rate=1e-2, lr_scheduler_type="constant",
+                        max_staleness=staleness, disable_tqdm=True, seed=3, rollout_timeout=300,
+                        generator_backend="vllm" if (name, staleness) == VLLM_RUN else "transformers", **extra)
+    trainer = trainer_cls(model=tiny_model_dir, reward_funcs=lowercase_reward, args=config,
+                          train_dataset=toy_prompts(64))
+    trainer.train()
+    steps = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+    return trainer.run_summary, [m for m in steps if "loss" in m], d
+
+
+class _Results(dict):
+    """The runs by (learner, max_staleness), each trained the first time a test asks for it."""
+
+    def __init__(self, tmp_path_factory, tiny_model_dir):
+        super().__init__()
+        self.args = (tmp_path_factory, tiny_model_dir)
+
+    def __missing__(self, key):
+        self[key] = _train(*self.args, *key)
+        return self[key]
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory, tiny_model_dir):
-    out = {}
-    for name, (trainer_cls, config_cls, extra) in LEARNERS.items():
-        for staleness in (0, 2):
-            d = tmp_path_factory.mktemp(f"{name}-{staleness}")
-            config = config_cls(output_dir=str(d), max_steps=STEPS, per_device_train_batch_size=4,
-                                max_new_tokens=10, max_length=48, learning_rate=1e-2, lr_scheduler_type="constant",
-                                max_staleness=staleness, disable_tqdm=True, seed=3, rollout_timeout=300,
-                                generator_backend="vllm" if (name, staleness) == VLLM_RUN else "transformers",
-                                **extra)
-            trainer = trainer_cls(model=tiny_model_dir, reward_funcs=lowercase_reward, args=config,
-                                  train_dataset=toy_prompts(64))
-            trainer.train()
-            steps = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
-            out[name, staleness] = (trainer.run_summary, [m for m in steps if "loss" in m], d)
-    return out
+    return _Results(tmp_path_factory, tiny_model_dir)
+
+
+BOTH = [pytest.param(0, marks=pytest.mark.slow), 2]
 
 
 @pytest.mark.parametrize("name", list(LEARNERS))
-@pytest.mark.parametrize("staleness", [0, 2])
+@pytest.mark.parametrize("staleness", BOTH)
 def test_runs_end_to_end_within_the_staleness_bound(results, name, staleness):
     summary, steps, out = results[name, staleness]
     assert len(steps) == STEPS
@@ -59,12 +76,19 @@ def test_runs_end_to_end_within_the_staleness_bound(results, name, staleness):
 
 
 @pytest.mark.parametrize("name", ["rloo", "ppo"])
-def test_importance_weights_are_one_on_policy_and_not_when_stale(results, name):
-    on_policy = results[name, 0][1]
-    for m in on_policy:  # behaviour == learner: weights are 1 up to float noise, so is their effective sample size
-        assert abs(m["off_policy/is_weight_mean"] - 1) < 1e-4, m
-        assert abs(m["off_policy/is_weight_max"] - 1) < 1e-3, m
-        assert m["off_policy/is_ess"] > 1 - 1e-4, m
+@pytest.mark.parametrize("staleness", BOTH)
+def test_importance_weights_are_one_on_policy_and_not_when_stale(results, name, staleness):
+    # on-policy steps: every step at S = 0, a batch of the step's own version at S = 2 (its first step at least)
+    on_policy = [m for m in results[name, staleness][1] if m["queue/staleness_of_batch"] == 0]
+    assert len(on_policy) >= (STEPS if staleness == 0 else 1)
+    # behaviour == learner: weights are 1 up to float noise (vLLM's kernels: up to 2e-2 per token), so is their ESS
+    mean_tol, max_tol = (2e-3, 2e-2) if (name, staleness) == VLLM_RUN else (1e-4, 1e-3)
+    for m in on_policy:
+        assert abs(m["off_policy/is_weight_mean"] - 1) < mean_tol, m
+        assert abs(m["off_policy/is_weight_max"] - 1) < max_tol, m
+        assert m["off_policy/is_ess"] > 1 - mean_tol, m
+    if not staleness:
+        return
     stale = [m for m in results[name, 2][1] if m["queue/staleness_of_batch"] >= 1]
     assert stale and max(abs(m["off_policy/is_weight_max"] - 1) for m in stale) > 1e-2
     for m in stale:  # the correction's own weights (tis / decoupled here) report theirs

@@ -56,6 +56,7 @@ def test_generator_that_cannot_start_is_reported_with_its_error(tmp_path, tiny_m
     assert not generator_processes()
 
 
+@pytest.mark.slow  # the same handler as Ctrl-C below (trainers/base.py), which stays in the default tier
 def test_sigterm_mid_run_exits_promptly_and_leaves_no_process(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, os.path.join(ROOT, "recipes/online_dpo.py"), "--task", "toy", "--output_dir", str(out),
