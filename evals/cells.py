@@ -123,7 +123,17 @@ def group_cells(runs: list[RunResult]) -> list[Cell]:
         cells.setdefault(key, Cell(r.algorithm, r.knob, r.knob_value, tuple(r.axes.items()))).runs.append(r)
     for cell in cells.values():
         cell.runs.sort(key=lambda r: r.seed)
-    # the grid's order (sweep_run.json's `index`), else by name
-    return sorted(cells.values(), key=lambda c: (min(r.index for r in c.runs), c.algorithm, c.knob,
-                                                 tuple(map(repr, c.axes)), c.knob_value))
+    # the grid's order of algorithms and of extra axes (sweep_run.json's `index`: a grid grown later keeps its first
+    # runs' indices), then each algorithm's cells by knob value
+    first: dict[tuple, int] = {}
+    for cell in cells.values():
+        for key in ((cell.algorithm,), (cell.algorithm, cell.axes)):
+            first[key] = min(first.get(key, cell.runs[0].index), *(r.index for r in cell.runs))
+    return sorted(cells.values(), key=lambda c: (first[c.algorithm,], c.algorithm, first[c.algorithm, c.axes], c.knob,
+                                                 _value_key(c.knob_value)))
+
+
+def _value_key(value) -> tuple:
+    """Numbers in numeric order before anything else (in text order)."""
+    return (0, value, "") if isinstance(value, (int, float)) and not isinstance(value, bool) else (1, 0, repr(value))
 
