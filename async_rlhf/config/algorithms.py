@@ -35,8 +35,9 @@ class AsyncOnlineDPOConfig(AsyncRLConfig):
 
 
 OFF_POLICY_CORRECTIONS = ("auto", "none", "tis", "decoupled", "masked")
-# 'auto' picks TIS up to this many steps of token staleness and the clipped ratio beyond: measured level at 3 and
-# collapsing at 15 on the sorting task (evals/results/sorting_staleness); between, unmeasured.
+# 'auto' picks TIS up to this many steps of token staleness and the clipped ratio beyond: on the sorting task
+# (evals/results/sorting_staleness, three seeds) TIS was level with the clipped ratio at 1 and 3 steps, behind it at 7
+# and collapsing at 15.
 TIS_MAX_STALENESS = 3
 
 
@@ -64,9 +65,10 @@ class AsyncPolicyGradientConfig(AsyncRLConfig):
                   "TIS_MAX_STALENESS (3) steps stale: plain PPO one step stale failed where TIS trained (marin "
                   "#8955: GSM8k 2/128 against 98/128, Qwen3-0.6B), PipelineRL and TRL's vLLM correction ship "
                   "token-level TIS, and at N = 4 it ended highest on our toy task for RLOO and PPO (one seed, "
-                  "evals/results/off_policy_defaults) and level with 'none' on the sorting task (two seeds, "
-                  "evals/results/sorting_staleness); 'none' beyond: at N = 16 on the sorting task TIS collapsed "
-                  "RLOO and PPO below the SFT policy (gold reward 0.96-1.0 against 1.05; 'none' 1.44-1.47), since "
+                  "evals/results/off_policy_defaults) and level with 'none' at N = 2 and 4 on the sorting task (three "
+                  "seeds, evals/results/sorting_staleness); 'none' beyond: on the sorting task TIS was behind at "
+                  "N = 8 (gold reward 1.37-1.46 against 1.46-1.54) and at N = 16 collapsed RLOO and PPO below the "
+                  "SFT policy (0.85-0.93 against 1.05; 'none' 1.42-1.46), since "
                   "its weights keep pushing tokens the policy has already moved past, where the ratio clipped "
                   "against mu stops them (an unclipped loss also diverged at 3 steps in the Tinker cookbook, #822). "
                   "Online DPO takes no correction: its loss has no importance ratio. The resolved value is what the "
