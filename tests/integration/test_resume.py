@@ -146,6 +146,7 @@ def test_kill_minus_9_at_a_random_point_then_resume_loses_nothing(tmp_path, gene
     assert len(seen) == len(set(seen))
 
 
+@pytest.mark.slow  # suite time: the default tier keeps the exact stop-and-resume test above
 def test_resuming_from_the_final_checkpoint_trains_no_further_step(tmp_path, tiny_model_dir, config):
     """transformers 5.19 trains one step past max_steps when the resumed epoch has data left; ours ends at once, starts
     no generator, and still ends like a run (weights loaded, summary written)."""

@@ -120,6 +120,7 @@ def test_stalled_generator_fails_within_the_rollout_timeout(tmp_path, tiny_model
     assert not generator_processes()
 
 
+@pytest.mark.slow  # suite time: the acknowledgement timeout's own test stays (unit/pipeline/test_boundaries.py)
 def test_stalled_weight_transfer_fails_within_the_sync_timeout(tmp_path, tiny_model_dir, tiny_run_config):
     args = tiny_run_config(tmp_path, max_steps=50, max_staleness=0, rollout_timeout=600, weight_sync_timeout=5)
     trainer = AsyncOnlineDPOTrainer(tiny_model_dir, reward_funcs=lowercase_reward, args=args,

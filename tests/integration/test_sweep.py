@@ -250,6 +250,7 @@ def test_runner_dry_run_prints_plan_and_estimate(tmp_path):
     assert not (tmp_path / "sweep").exists()  # a dry run writes nothing
 
 
+@pytest.mark.slow  # suite time (15 s of sleeping runs)
 def test_runner_sigterm_stops_running_runs_and_exits_130(tmp_path):
     grid = _fake_grid(tmp_path, {"stuck": "hang"}, jobs=2)
     out = tmp_path / "sweep"
