@@ -127,8 +127,9 @@ def group_cells(runs: list[RunResult]) -> list[Cell]:
     # runs' indices), then each algorithm's cells by knob value
     first: dict[tuple, int] = {}
     for cell in cells.values():
+        low = min(r.index for r in cell.runs)
         for key in ((cell.algorithm,), (cell.algorithm, cell.axes)):
-            first[key] = min(first.get(key, cell.runs[0].index), *(r.index for r in cell.runs))
+            first[key] = min(first.get(key, low), low)
     return sorted(cells.values(), key=lambda c: (first[c.algorithm,], c.algorithm, first[c.algorithm, c.axes], c.knob,
                                                  _value_key(c.knob_value)))
 

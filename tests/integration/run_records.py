@@ -38,3 +38,16 @@ def check_staleness_records(output_dir, steps: int, max_staleness: int, summary:
         if dropped is not None:
             assert summary["dropped"] == dropped, f"dropped {summary['dropped']} batch(es), expected {dropped}"
     return staleness
+
+
+class RunsOnDemand(dict):
+    """Runs keyed by their settings, each made by `make(key)` the first time a test asks for it (a module fixture
+    returns one, so tests in the slow tier start no run in the default tier)."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, key):
+        self[key] = self.make(key)
+        return self[key]

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 import pytest
-from run_records import check_staleness_records
+from run_records import RunsOnDemand, check_staleness_records
 from session_run import ROOT, run_in_own_session
 
 STEPS = 14
@@ -41,21 +41,10 @@ def _launch(tmp_path, staleness: int, backend: str = "vllm", procs: int = 2) -> 
     return summary, [m for m in metrics if "loss" in m], log, out
 
 
-class _Runs(dict):
-    """The runs by max_staleness, each launched the first time a test asks for it."""
-
-    def __init__(self, tmp: Path):
-        super().__init__()
-        self.tmp = tmp
-
-    def __missing__(self, staleness: int):
-        self[staleness] = _launch(self.tmp, staleness)
-        return self[staleness]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return _Runs(tmp_path_factory.mktemp("e2e"))
+    tmp = tmp_path_factory.mktemp("e2e")
+    return RunsOnDemand(lambda staleness: _launch(tmp, staleness))
 
 
 BOTH = [pytest.param(0, marks=pytest.mark.slow), 2]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from run_records import check_staleness_records
+from run_records import RunsOnDemand, check_staleness_records
 
 from async_rlhf import (
     AsyncBestOfNConfig,
@@ -45,21 +45,9 @@ def _train(tmp_path_factory, tiny_model_dir, name: str, staleness: int):
     return trainer.run_summary, [m for m in steps if "loss" in m], d
 
 
-class _Results(dict):
-    """The runs by (learner, max_staleness), each trained the first time a test asks for it."""
-
-    def __init__(self, tmp_path_factory, tiny_model_dir):
-        super().__init__()
-        self.args = (tmp_path_factory, tiny_model_dir)
-
-    def __missing__(self, key):
-        self[key] = _train(*self.args, *key)
-        return self[key]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory, tiny_model_dir):
-    return _Results(tmp_path_factory, tiny_model_dir)
+    return RunsOnDemand(lambda key: _train(tmp_path_factory, tiny_model_dir, *key))
 
 
 BOTH = [pytest.param(0, marks=pytest.mark.slow), 2]
