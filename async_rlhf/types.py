@@ -112,10 +112,6 @@ class GenerationRequest:
     chunk: int = 0  # a batch is split across generators: this is part `chunk` of `num_chunks`
     num_chunks: int = 1
     max_new_tokens: list[int] = field(default_factory=list)  # [P] each prompt's budget; empty: settings' for all
-    # [P][n] a request moved from another generator mid-sample (`tail_migration`): each sample as it stood there
-    # (`finish_reason` "" while unfinished; its tokens' versions in `version_starts`), continued here. Empty: sample
-    # from scratch. Only between local processes: never written as JSON.
-    prefixes: list[list[Completion]] = field(default_factory=list)
 
     def settings_for(self, p: int) -> SamplingSettings:
         """The sampling settings of prompt `p` (its own token budget, when it has one)."""
@@ -134,13 +130,11 @@ class GenerationRequest:
                                          "prompt_token_ids": list_of(list_of(nonneg)),
                                          "settings": SamplingSettings.from_dict, "chunk": nonneg,
                                          "num_chunks": nonneg, "max_new_tokens": list_of(nonneg)},
-                         ignore=("kind", "token", "prefixes"))
+                         ignore=("kind", "token"))
         if len(f["prompt_ids"]) != len(f["prompt_token_ids"]):
             raise FieldError("generate: prompt_ids and prompt_token_ids differ in length")
         if f["max_new_tokens"] and len(f["max_new_tokens"]) != len(f["prompt_ids"]):
             raise FieldError("generate: max_new_tokens must be empty or hold one budget per prompt")
-        if d.get("prefixes"):
-            raise FieldError("generate: prefixes (a migrated request) only travel between local processes")
         return cls(**f)
 
 
@@ -287,26 +281,6 @@ class RolloutBatch:
             if values and [len(g) for g in values] != shape:
                 raise FieldError(f"rollouts: {name} has shape {[len(g) for g in values]}, completions {shape}")
         return cls(**f)
-
-
-@dataclass(frozen=True)
-class TailHandoff:
-    """Learner -> generator: stop sampling request (`batch_id`, `chunk`) and send it back as it stands (`Migrated`),
-    to be continued on another generator (`tail_migration`). Ignored if the request already ended."""
-
-    batch_id: int
-    chunk: int
-    kind = "handoff"
-
-
-@dataclass(frozen=True)
-class Migrated:
-    """Generator -> learner: the answer to a `TailHandoff`: the request, its samples so far in `prefixes`."""
-
-    generator_id: int
-    request: GenerationRequest
-    tokens: int  # sampled here so far, over all its samples (what the next generator does not redo)
-    kind = "migrated"
 
 
 @dataclass(frozen=True)

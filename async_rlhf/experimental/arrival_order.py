@@ -161,3 +161,7 @@ class ArrivalOrderBatches(WholeBatches):
 
     def stats(self) -> dict[str, float]:
         return {"learner/early_micro_batches": float(self.arrivals.early)}
+
+    def summary(self) -> dict:
+        """For the run summary: micro-batches trained before their batch was complete."""
+        return {"early_micro_batches": float(self.arrivals.early)}

@@ -106,13 +106,13 @@ class ElasticGenerators(FixedGenerators):
             with open(self.record_path, "a") as f:
                 f.write(json.dumps(event) + "\n")
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, dict]:
         """For the run summary: decisions taken, every window measured, and what each generator answered (parts,
         oldest version)."""
-        return {"events": self.events, "windows": self.windows, "generators_final": len(self.pool.active_generators()),
-                "joining_at_end": self.pool.joining(),
-                "retired": sorted(self.pool.retired),
-                "answered": {str(g): v for g, v in sorted(self.pool.answered.items())}}
+        return {"generator_autoscale": {
+            "events": self.events, "windows": self.windows, "generators_final": len(self.pool.active_generators()),
+            "joining_at_end": self.pool.joining(), "retired": sorted(self.pool.retired),
+            "answered": {str(g): v for g, v in sorted(self.pool.answered.items())}}}
 
 
 def make_elastic(args, pool, learners: int, new_spec: Callable[[int, str], GeneratorSpec]) -> ElasticGenerators:

@@ -265,3 +265,7 @@ class PartialBatches:
 
     def stats(self) -> dict[str, float]:
         return self.partial.stats()
+
+    def summary(self) -> dict[str, dict]:
+        """For the run summary: groups carried across steps, and dropped for staleness."""
+        return {"partial_rollouts": {k.split("/")[1]: v for k, v in self.partial.stats().items()}}

@@ -8,7 +8,7 @@ from __future__ import annotations
 from async_rlhf.experimental.arrival_order import ArrivalOrderBatches
 from async_rlhf.experimental.elastic import make_elastic
 from async_rlhf.experimental.partial_rollouts import PartialBatches
-from async_rlhf.experimental.tail_migration import TailMigration
+from async_rlhf.experimental.tail_migration import HandoffEngine, TailMigration
 from async_rlhf.pipeline.batch_forming import WholeBatches
 
 
@@ -29,3 +29,9 @@ def generator_scheduling(args, learners: int):
     if args.tail_migration:
         return lambda pool, new_spec: TailMigration(args.tail_migration)
     return None
+
+
+def stream_engine(args) -> type | None:
+    """The engine a streaming generator serves with (`generation/engine/worker.GeneratorSpec.stream_engine`): one that
+    can hand requests over mid-sample with `tail_migration`; None: the core's `StreamEngine`."""
+    return HandoffEngine if args.tail_migration else None

@@ -42,6 +42,8 @@ class BatchForming(Protocol):
 
     def stats(self) -> dict[str, float]: ...
 
+    def summary(self) -> dict: ...  # {key of the run summary: its content}; {}: nothing to add
+
 
 class WholeBatches:
     """The core schedule (see the module docstring)."""
@@ -109,4 +111,7 @@ class WholeBatches:
         return True
 
     def stats(self) -> dict[str, float]:
+        return {}
+
+    def summary(self) -> dict:
         return {}

@@ -50,24 +50,34 @@ class GeneratorPoolProtocol(Protocol):
     def close(self, timeout: float = 20.0) -> None: ...
 
 
-Handoff = tuple[int, tuple[int, int], int]  # (holder, (batch, chunk), target)
+class RequestBook(Protocol):
+    """What a generator schedule may use of a local pool: its requests in flight, and its generators' inboxes. Used
+    only from the pool's reader thread with the pool's lock held (the schedule's calls below)."""
+
+    def in_flight(self) -> dict[int, dict[tuple[int, int], object]]: ...  # generator -> {(batch, chunk): request}
+
+    def starting(self) -> set[int]: ...  # generators (re)starting now: their engines are not up
+
+    def put(self, generator_id: int, message) -> None: ...  # into its inbox, in order with everything sent to it
+
+    # request `key` leaves `source` for `target` (its in-flight table and inbox): False if `source` no longer held it
+    def move(self, key: tuple[int, int], source: int, target: int, request) -> bool: ...
 
 
 class GeneratorScheduling(Protocol):
-    """How a run's generators are scheduled beyond sending each request to one of them: hand-overs of requests
-    between generators, generators added or retired. The default and who calls what: `generation/pool/scheduling.py`."""
+    """How a run's generators are scheduled beyond sending each request to one of them: requests handed between
+    generators, generators added or retired. The default, and who calls what: `generation/pool/scheduling.py`."""
 
-    def plan_handoffs(self, batch_id: int, in_flight: dict[int, dict], starting) -> list[Handoff]: ...
+    def answered(self, rollouts: RolloutBatch, requests: RequestBook) -> None: ...  # a request's first answer
 
-    def handoff_arrived(self, key: tuple[int, int], tokens: int) -> int | None: ...
-
-    def answered(self, key: tuple[int, int]) -> None: ...
+    def message(self, message, requests: RequestBook) -> bool: ...  # a generator's message of a kind the pool
+    # does not know: True if the schedule took it
 
     def after_step(self, step: int, wait_seconds: float, queued_version: int) -> None: ...
 
     def stats(self) -> dict[str, float]: ...
 
-    def summary(self) -> dict: ...
+    def summary(self) -> dict[str, dict]: ...  # {section of the run summary: its content}; {}: nothing to add
 
 
 # (on_rollouts, initial_version) -> (weight transport, pool not started yet, generator schedule): built by the trainer

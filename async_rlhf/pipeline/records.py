@@ -33,7 +33,7 @@ class PipelineRecords:
         self.restarts = 0
         self.places: dict[int, dict] = {}  # generator id -> {device, where, weights} (kept after close)
         self.spec: dict[int, dict] = {}  # generator id -> its latest cumulative speculation counters
-        self.schedule_summary: dict = {}  # the generator schedule's summary (autoscale decisions), kept after close
+        self.schedule_summary: dict = {}  # the schedules' sections of the run summary (`summary()`), kept after close
         self.imbalance = ImbalanceTally()  # generator/imbalance: max/mean tokens per generator
         self.length_counts: collections.Counter = collections.Counter()  # completion tokens: samples
         self.latency = [0.0, 0.0, 0]  # summed dispatch -> queued and last part arrived -> queued seconds; batches

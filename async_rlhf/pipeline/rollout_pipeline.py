@@ -160,8 +160,9 @@ class RolloutPipeline:
         """`failed`: the run ended on an error, so no acknowledgement is awaited and the generators get
         FAILED_CLOSE_SECONDS to stop before they are killed (a stopped or stalled one would otherwise hold the error
         back for the pool's full grace periods)."""
-        if self.scheduling is not None:
-            self.records.schedule_summary = self.scheduling.summary()
+        for part in (self.scheduling, self.forming):
+            if part is not None:
+                self.records.schedule_summary.update(part.summary())
         if self.pool is not None:
             # first: it may still record the acknowledgements of the last weights
             if failed:
@@ -196,7 +197,7 @@ class RolloutPipeline:
         per rank, rank r's at rows [r * per, (r + 1) * per). Its slice of the whole batch in prompt order (one
         broadcast per step), or what the batch schedule forms for it (`per_micro_batch`: one broadcast each). After
         the last one, `trained_batch` is the step's whole batch (rank 0)."""
-        count = self.args.per_device_train_batch_size * self.accelerator.num_processes
+        count = self.args.groups_per_micro_batch * self.accelerator.num_processes
         if not self.forming.per_micro_batch:
             if micro == 0:
                 self._step_batch = self.batch_for_step(step)

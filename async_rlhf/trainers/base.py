@@ -99,7 +99,7 @@ class AsyncTrainerBase(Trainer):
         # models load (generation/pool/early_start.py) -----------------------------------------------------------------
         init_kwargs = args.model_init_kwargs or {}
         self._early_pool = None if model_config is None else choose_backend_and_spawn(
-            args, model, model_config, init_kwargs, train_dataset, processing_class)
+            args, model, model_config, init_kwargs, train_dataset, processing_class, schedules.stream_engine(args))
         if self._early_pool is not None:
             self.timeline.mark("generators_spawned")
         try:
@@ -123,7 +123,8 @@ class AsyncTrainerBase(Trainer):
             early, self._early_pool = self._early_pool, None
             return make_pool(self.args, on_rollouts, initial_version, model_path=model_dir, engine_kwargs=kwargs,
                              early_pool=early, device=self.accelerator.device,
-                             scheduling=schedules.generator_scheduling(self.args, self.accelerator.num_processes))
+                             scheduling=schedules.generator_scheduling(self.args, self.accelerator.num_processes),
+                             stream_engine=schedules.stream_engine(self.args))
         return make
 
     def _close_early_pool(self) -> None:

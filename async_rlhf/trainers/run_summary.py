@@ -49,7 +49,6 @@ def build_summary(pipeline, args, accelerator, steps: int, wall: float, loop_sec
         "generator_places": r.places,  # generator id -> {device, where, weights}: where it ran, how weights came
         "generator_versions": r.loaded_versions,  # the run's end waits for every live generator's acknowledgement
         "generator_versions_pending": r.pending_versions,  # ... and names here what it never got ({}: none)
-        "generator_autoscale": r.schedule_summary,  # decisions, answers per generator (experimental/elastic.py); {}: off
         "generation_mode": "stream" if args.streaming else "batch",
         "generator_busy_seconds": r.busy_seconds,  # as of each generator's last weight acknowledgement
         "generated_tokens": r.gen_tokens,
@@ -59,8 +58,6 @@ def build_summary(pipeline, args, accelerator, steps: int, wall: float, loop_sec
         "syncs": r.syncs,
         "scoring_seconds": stats.get("scoring/seconds", 0.0),  # rank 0's scoring thread (score_while_generating)
         "scoring_hidden_fraction": stats.get("scoring/hidden_fraction"),  # of it, before a batch's last part landed
-        "early_micro_batches": stats.get("learner/early_micro_batches"),  # train_while_generating: trained before
-        # their batch was complete (None: off)
         "completion_length_counts": {int(k): v for k, v in sorted(r.length_counts.items())},
         "speculative": _speculative(args, stats),
         "generator_imbalance": {k.split("/")[1]: v for k, v in stats.items() if k.startswith("generator/imbalance")},
@@ -80,10 +77,7 @@ def build_summary(pipeline, args, accelerator, steps: int, wall: float, loop_sec
                      "zero_stage": getattr(accelerator.state.deepspeed_plugin, "zero_stage", None)},
         "final": {k: v for k, v in last_metrics.items() if k in FINAL_METRICS},
     }
-    if args.partial_rollouts:  # partial rollouts: groups carried across steps, and dropped for staleness
-        summary["partial_rollouts"] = {k.split("/")[1]: v for k, v in stats.items() if k.startswith("partial/")}
-    if args.tail_migration:  # requests handed to one generator at a batch's tail (`experimental/tail_migration.py`)
-        summary["tail_migration"] = {k.split("/")[1][5:]: v for k, v in stats.items() if k.startswith("generator/tail_")}
+    summary.update(r.schedule_summary)  # what the run's optional schedules report, each under its own key
     # the simulator fed with this run's stage times: its predicted step time, and a faster set-up if it finds one
     summary["plan"] = feedback(summary, args, accelerator.num_processes)
     return summary

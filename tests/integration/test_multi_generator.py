@@ -41,7 +41,7 @@ def test_two_generators_share_each_batch_and_track_every_version(tmp_path, tiny_
         assert all(m.get("scoring/hidden_fraction", 0) >= 0 for m in trainer.state.log_history)
 
 
-@pytest.mark.slow  # an experimental schedule (experimental/tail_migration.py)
+@pytest.mark.slow  # an experimental schedule (experimental/tail_migration/)
 def test_tail_migration_hands_each_batch_tail_to_one_generator(tmp_path, tiny_model_dir):
     """`tail_migration`: a training run whose batches' last groups are handed to one generator mid-sample trains
     every batch whole, once, within the staleness bound for every token (from the run's own records)."""

@@ -1,4 +1,4 @@
-"""Tail migration on two real streaming vLLM generators (`tail_migration`, `experimental/tail_migration.py`): a long request is
+"""Tail migration on two real streaming vLLM generators (`tail_migration`, `experimental/tail_migration/`): a long request is
 handed from one generator to the other in the middle of its sample, a weight update loads while it goes on there,
 and it comes back once, from the other generator, with every token's behaviour log-prob equal to the transformers
 forward of the version named for it (old weights before the update, new ones after), whichever engine sampled it.
@@ -14,7 +14,7 @@ from pool_answers import Answers
 from transformers import AutoModelForCausalLM
 
 from async_rlhf.data.tiny_model import char_tokenizer, tiny_llama
-from async_rlhf.experimental.tail_migration import TailMigration
+from async_rlhf.experimental.tail_migration import HandoffEngine, TailMigration
 from async_rlhf.generation.engine.worker import GeneratorSpec
 from async_rlhf.generation.pool.local import GeneratorPool
 from async_rlhf.types import GenerationRequest, SamplingSettings
@@ -31,7 +31,7 @@ def _logprobs(model, tokens: list[int]) -> torch.Tensor:
     return logits.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
 
 
-@pytest.mark.slow  # an experimental schedule (experimental/tail_migration.py)
+@pytest.mark.slow  # an experimental schedule (experimental/tail_migration/)
 def test_a_tail_request_moves_to_the_other_generator_mid_sample(tmp_path, tiny_model_dir):
     pytest.importorskip("vllm")
     old = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
@@ -39,7 +39,7 @@ def test_a_tail_request_moves_to_the_other_generator_mid_sample(tmp_path, tiny_m
     specs = [GeneratorSpec(generator_id=g, backend="vllm", model_path=tiny_model_dir, device="cpu", seed=g, threads=1,
                            engine_kwargs={"dtype": "float32", "kv_cache_memory_bytes": 64 << 20},
                            log_path=str(tmp_path / f"generator-{g}.log"), streaming=True, weight_load="in_flight",
-                           handoffs=True) for g in (0, 1)]
+                           stream_engine=HandoffEngine) for g in (0, 1)]
     got: queue.Queue = queue.Queue()
     transport = ShmWeightTransport(str(tmp_path))
     pool = GeneratorPool(specs, got.put, start_timeout=300, weight_sync_timeout=120, max_restarts=0)

@@ -12,8 +12,8 @@ parent died (checked every second while idle); an exception leaves them for `wor
   is loaded according to `weight_load`: "drain" waits until every sample already started has finished (they keep
   one version each; requests queued behind the update wait too), "in_flight" loads at once between two engine
   steps (running samples continue on the new weights, recomputed over their context; each token keeps its own
-  version and behaviour log-prob). A `TailHandoff` (`tail_migration`) takes a request out of the engine and sends
-  it back as it stands (`Migrated`), to be continued by another generator.
+  version and behaviour log-prob). A message of any other kind goes to the engine's `handle` (an extension's own
+  messages, `stream_engine.py`), and what it answers goes to the outbox.
 A `WeightGroupJoin` (the "network" weight transport) joins learner rank 0's weight group; the learner queues it
 first, ahead of any update.
 """
@@ -25,7 +25,7 @@ import dataclasses
 import queue
 import time
 
-from async_rlhf.types import Migrated, RolloutBatch, WeightAck
+from async_rlhf.types import RolloutBatch, WeightAck
 
 
 def _load(backend, msg, generator_id: int, outbox, busy_seconds: float) -> int:
@@ -72,7 +72,7 @@ def serve_batches(spec, backend, inbox, outbox, parent) -> bool:
 def serve_stream(spec, backend, inbox, outbox, parent) -> bool:
     from async_rlhf.generation.engine.stream_engine import StreamEngine
 
-    engine = StreamEngine(backend, spec.generator_id, handoffs=spec.handoffs)
+    engine = (spec.stream_engine or StreamEngine)(backend, spec.generator_id)
     backend.llm.update_weight_version(str(spec.initial_version))  # vLLM labels each token with it
     version = spec.initial_version
     fifo: collections.deque = collections.deque()  # received, not yet served
@@ -97,12 +97,9 @@ def serve_stream(spec, backend, inbox, outbox, parent) -> bool:
                 backend.join_weight_group(msg.init_info)
             elif msg.kind == "generate":
                 engine.submit(msg, version)
-            elif msg.kind == "handoff":
-                moved = engine.handoff(msg.batch_id, msg.chunk)
-                if moved is not None:  # else it ended first: its rollouts are already on their way
-                    outbox.put(Migrated(spec.generator_id, *moved))
             else:
-                raise ValueError(f"generator {spec.generator_id}: unknown message kind {msg.kind!r}")
+                for answer in engine.handle(msg, version):
+                    outbox.put(answer)
             fifo.popleft()
         if engine.busy:
             finished = engine.step(version)

@@ -52,22 +52,24 @@ class GeneratorSpec:
     log_path: str | None = None  # the process's whole output (see `process_log.py`); None: console only
     streaming: bool = False  # request-level serving (`serve_loops.serve_stream`, vLLM only); else batch-level
     weight_load: str = "drain"  # streaming: "drain" | "in_flight" (see `serve_loops.py`)
-    handoffs: bool = False  # streaming: requests may be handed to another generator mid-way (`tail_migration`)
+    stream_engine: type | None = None  # streaming: a `StreamEngine` subclass an optional schedule serves with
+    # (chosen in `experimental/schedules.py`); None: `stream_engine.StreamEngine`
 
 
 def generator_spec(args, model_path: str, engine_kwargs: dict, initial_version: int, generator_id: int,
-                   device: str) -> GeneratorSpec:
+                   device: str, stream_engine: type | None = None) -> GeneratorSpec:
     """Generator `generator_id` on `device` (`args`: an `AsyncRLConfig` with its backend already decided)."""
     return GeneratorSpec(generator_id=generator_id, backend=args.generator_backend, model_path=model_path,
                          device=device, seed=args.seed + generator_id, threads=args.generator_threads,
                          engine_kwargs=engine_kwargs, initial_version=initial_version,
                          log_path=os.path.join(args.output_dir, "logs", f"generator-{generator_id}.log"),
-                         streaming=args.streaming, weight_load=args.weight_load, handoffs=args.tail_migration > 0)
+                         streaming=args.streaming, weight_load=args.weight_load, stream_engine=stream_engine)
 
 
-def generator_specs(args, model_path: str, engine_kwargs: dict, initial_version: int) -> list[GeneratorSpec]:
+def generator_specs(args, model_path: str, engine_kwargs: dict, initial_version: int,
+                    stream_engine: type | None = None) -> list[GeneratorSpec]:
     """One spec per entry of `args.generator_devices`."""
-    return [generator_spec(args, model_path, engine_kwargs, initial_version, i, device)
+    return [generator_spec(args, model_path, engine_kwargs, initial_version, i, device, stream_engine)
             for i, device in enumerate(args.generator_devices)]
 
 

@@ -37,10 +37,10 @@ logger = logging.getLogger(__name__)
 
 
 def choose_backend_and_spawn(args, model, model_config, init_kwargs: dict, train_dataset,
-                             tokenizer) -> GeneratorPool | None:
+                             tokenizer, stream_engine: type | None = None) -> GeneratorPool | None:
     """The trainer's constructor, before the prompts are tokenized and any model loads: decide `generator_backend`
     ('auto': `backend_choice.py`, timed on one step of the dataset's first prompts where the policy has a directory)
-    and spawn the generators (`spawn_early`)."""
+    and spawn the generators (`spawn_early`; `stream_engine`: see `worker.GeneratorSpec`)."""
     path = model if isinstance(model, str) and os.path.isfile(os.path.join(model, "config.json")) else None
     dtype = (predicted_dtype(init_kwargs, model_config) if isinstance(model, str)
              else str(next(model.parameters()).dtype).removeprefix("torch."))
@@ -55,7 +55,7 @@ def choose_backend_and_spawn(args, model, model_config, init_kwargs: dict, train
     resolve_generator_backend(args, model_config, architecture, dtype, workload=workload)
     if args.speculative == "auto":
         resolve_speculative(args, workload if args.generator_backend == "vllm" else None, dtype)
-    return spawn_early(args, model, dtype)
+    return spawn_early(args, model, dtype, stream_engine)
 
 
 def _first_prompts(dataset, tokenizer, count: int, max_prompt_length: int) -> list[list[int]]:
@@ -79,7 +79,7 @@ def predicted_dtype(init_kwargs: dict, model_config) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def spawn_early(args, model, dtype: str) -> GeneratorPool | None:
+def spawn_early(args, model, dtype: str, stream_engine: type | None = None) -> GeneratorPool | None:
     """Spawn the generators `train()` will most likely need, and return their pool (None where not predictable)."""
     if (not args.generator_early_start or args.process_index != 0 or args.generator_servers
             or args.resume_from_checkpoint
@@ -87,7 +87,7 @@ def spawn_early(args, model, dtype: str) -> GeneratorPool | None:
         return None
     if not (isinstance(model, str) and os.path.isfile(os.path.join(model, "config.json"))):
         return None
-    specs = generator_specs(args, model, engine_kwargs(args, dtype), initial_version=0)
+    specs = generator_specs(args, model, engine_kwargs(args, dtype), initial_version=0, stream_engine=stream_engine)
     pool = GeneratorPool(specs, None, args.generator_start_timeout, args.weight_sync_timeout,
                          args.generator_max_restarts)
     pool.spawn()

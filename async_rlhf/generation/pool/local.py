@@ -59,7 +59,7 @@ from async_rlhf.generation.engine.worker import GeneratorSpec
 from async_rlhf.generation.pool.processes import ProcessLauncher, kill_all, see_log, stop_process
 from async_rlhf.generation.pool.scheduling import FixedGenerators, GeneratorScheduling
 from async_rlhf.pipeline.generator_pool import AckTracker
-from async_rlhf.types import GenerationRequest, RolloutBatch, Shutdown, TailHandoff, WeightUpdate
+from async_rlhf.types import GenerationRequest, RolloutBatch, Shutdown, WeightUpdate
 
 logger = logging.getLogger(__name__)
 
@@ -333,21 +333,23 @@ class GeneratorPool:
             self._in_flight[generator_id][(request.batch_id, request.chunk)] = request
             self.inboxes[generator_id].put(request)
 
-    # ---- hand-overs of requests between generators (reader thread; `scheduling.py`) -------------------------
-    def _hand_over_tail(self, batch_id: int) -> None:
-        with self._lock:
-            for holder, (b, chunk), _ in self.scheduling.plan_handoffs(batch_id, self._in_flight, self._starting):
-                self.inboxes[holder].put(TailHandoff(b, chunk))
+    # ---- what a generator schedule may use (`pipeline/generator_pool.RequestBook`; reader thread, lock held) -----
+    def in_flight(self) -> dict[int, dict[tuple[int, int], object]]:
+        return self._in_flight
 
-    def _migrated(self, msg) -> None:
-        """A holder gave a request back mid-way: it goes on on the hand-over's target (in flight there from now)."""
-        key = (msg.request.batch_id, msg.request.chunk)
-        with self._lock:
-            target = self.scheduling.handoff_arrived(key, msg.tokens)
-            if target is None or self._in_flight[msg.generator_id].pop(key, None) is None:
-                return
-            self._in_flight[target][key] = msg.request
-            self.inboxes[target].put(msg.request)
+    def starting(self) -> set[int]:
+        return set(self._starting)
+
+    def put(self, generator_id: int, message) -> None:
+        self.inboxes[generator_id].put(message)
+
+    def move(self, key: tuple[int, int], source: int, target: int, request) -> bool:
+        """Request `key` goes on on `target` (in flight there from now, so a target that dies re-samples it)."""
+        if self._in_flight[source].pop(key, None) is None:
+            return False
+        self._in_flight[target][key] = request
+        self.inboxes[target].put(request)
+        return True
 
     # ---- health --------------------------------------------------------------------------------------
     def check(self) -> None:
@@ -426,13 +428,10 @@ class GeneratorPool:
                     if fresh:
                         count, oldest = self.answered.get(msg.generator_id, [0, msg.policy_version])
                         self.answered[msg.generator_id] = [count + 1, min(oldest, msg.policy_version)]
-                        self.scheduling.answered((msg.batch_id, msg.chunk))
                 if fresh:
                     self.on_rollouts(msg)
-                    self._hand_over_tail(msg.batch_id)
-                continue
-            if msg.kind == "migrated":
-                self._migrated(msg)
+                    with self._lock:
+                        self.scheduling.answered(msg, self)
                 continue
             if msg.kind == "weights_loaded":
                 self.acks.acknowledged(msg.generator_id, msg.version, msg.seconds, msg.busy_seconds)
@@ -448,3 +447,8 @@ class GeneratorPool:
                             self.acks.sent(gid, update.version)
                             self._queue_update(gid, update)
                         self._joining.discard(gid)
+                continue
+            with self._lock:
+                taken = self.scheduling.message(msg, self)
+            if not taken:
+                logger.warning("generator %d sent a message of unknown kind %r; ignored", msg.generator_id, msg.kind)

@@ -1,36 +1,34 @@
 """How a run's generators are scheduled: the seam for schedules beyond the default.
 
-The interface, `GeneratorScheduling`, is the pipeline's (`pipeline/generator_pool.py`). The default,
-`FixedGenerators`, is the core's: the generators the run started with serve every batch until the run
-ends, and each request is answered by the generator it was sent to. Optional schedules (`experimental/`:
-`tail_migration.TailMigration`, `elastic.ElasticGenerators` for `generator_autoscale`) implement the same methods;
-which one a run gets is decided above this layer (`experimental/schedules.py`) and handed to the pool.
+The interface, `GeneratorScheduling`, is the pipeline's (`pipeline/generator_pool.py`), with what a schedule may use
+of a local pool, `RequestBook`. The default, `FixedGenerators`, is the core's: the generators the run started with
+serve every batch until the run ends, and each request is answered by the generator it was sent to. Optional
+schedules (`experimental/`) implement the same methods; which one a run gets is decided above this layer
+(`experimental/schedules.py`) and handed to the pool.
 
 Who calls what:
-- a local pool's reader thread, under the pool's lock: `plan_handoffs` after each answered request, `answered` for
-  it, `handoff_arrived` when a holder gives a request back mid-way (`Migrated`);
+- a local pool's reader thread, under the pool's lock: `answered` after a request's first answer went to the
+  pipeline, `message` for a generator's message of a kind the pool does not know;
 - the pipeline on learner rank 0, after each optimizer step: `after_step`;
-- metrics and the run summary: `stats` (stage-named, cumulative) and `summary` (JSON).
+- metrics and the run summary: `stats` (stage-named, cumulative) and `summary` (sections of the run summary).
 """
 
 from __future__ import annotations
 
-from async_rlhf.pipeline.generator_pool import GeneratorScheduling, Handoff
+from async_rlhf.pipeline.generator_pool import GeneratorScheduling, RequestBook
+from async_rlhf.types import RolloutBatch
 
-__all__ = ["FixedGenerators", "GeneratorScheduling", "Handoff"]
+__all__ = ["FixedGenerators", "GeneratorScheduling", "RequestBook"]
 
 
 class FixedGenerators:
     """The default schedule: nothing moves between generators, none is added or retired."""
 
-    def plan_handoffs(self, batch_id: int, in_flight: dict[int, dict], starting) -> list[Handoff]:
-        return []
-
-    def handoff_arrived(self, key: tuple[int, int], tokens: int) -> int | None:
-        return None  # no hand-over is ever expected
-
-    def answered(self, key: tuple[int, int]) -> None:
+    def answered(self, rollouts: RolloutBatch, requests: RequestBook) -> None:
         pass
+
+    def message(self, message, requests: RequestBook) -> bool:
+        return False
 
     def after_step(self, step: int, wait_seconds: float, queued_version: int) -> None:
         pass
@@ -38,5 +36,5 @@ class FixedGenerators:
     def stats(self) -> dict[str, float]:
         return {}
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, dict]:
         return {}

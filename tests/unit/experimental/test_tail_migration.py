@@ -1,5 +1,5 @@
-"""Tail migration's rule and book-keeping (`experimental/tail_migration.py`), joining a sample's two halves
-(`stream_engine.joined`), and the settings it needs. The generators' side runs on real vLLM engines in
+"""Tail migration's rule and book-keeping (`experimental/tail_migration/policy.py`) driven through the pool's seam,
+joining a sample's two halves (`experimental/tail_migration/engine.py`), and the settings it needs. The generators' side runs on real vLLM engines in
 `tests/integration/test_tail_handoff_engines.py` and `test_multi_generator.py`."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import pytest
 
 from async_rlhf import AsyncOnlineDPOConfig
 from async_rlhf.errors import ConfigError, FieldError
-from async_rlhf.experimental.tail_migration import TailMigration
-from async_rlhf.generation.engine.stream_engine import _starts, joined
-from async_rlhf.types import Completion, GenerationRequest, SamplingSettings
+from async_rlhf.experimental.tail_migration import ContinuedRequest, Migrated, TailHandoff, TailMigration
+from async_rlhf.experimental.tail_migration.engine import _starts, joined
+from async_rlhf.types import Completion, GenerationRequest, RolloutBatch, SamplingSettings
 
 
 def _in_flight(holders: dict[int, list[tuple[int, int]]]) -> dict[int, dict]:
@@ -42,7 +42,7 @@ def test_no_hand_over(holders, starting, why):
 def test_ties_go_to_the_lowest_id_and_an_answer_cancels_the_hand_over():
     tail = TailMigration(2)
     assert tail.plan_handoffs(5, _in_flight({0: [(5, 1)], 1: [(5, 0)]}), set()) == [(1, (5, 0), 0)]
-    tail.answered((5, 0))  # its holder finished it before the hand-over arrived
+    tail.request_ended((5, 0))  # its holder finished it before the hand-over arrived
     assert tail.handoff_arrived((5, 0), tokens=3) is None and tail.moved == 0
     assert TailMigration(0).plan_handoffs(5, _in_flight({0: [(5, 1)], 1: [(5, 0)]}), set()) == []  # off
     assert TailMigration(0).stats() == {}
@@ -59,13 +59,53 @@ def test_a_sample_joined_across_a_hand_over_keeps_each_token_version_and_logprob
     assert _starts([3, 3, 4, 4, 4, 5]) == [[3, 0], [4, 2], [5, 5]] and _starts([]) == []
 
 
+class Book:
+    """The pool's side of the seam (`pipeline/generator_pool.RequestBook`), in memory."""
+
+    def __init__(self, holders: dict[int, list[tuple[int, int]]], starting=()):
+        self.flight = {g: {key: f"request {key}" for key in keys} for g, keys in holders.items()}
+        self.starting_now = set(starting)
+        self.inboxes: dict[int, list] = {g: [] for g in holders}
+
+    def in_flight(self):
+        return self.flight
+
+    def starting(self):
+        return self.starting_now
+
+    def put(self, generator_id, message):
+        self.inboxes[generator_id].append(message)
+
+    def move(self, key, source, target, request):
+        if self.flight[source].pop(key, None) is None:
+            return False
+        self.flight[target][key] = request
+        self.inboxes[target].append(request)
+        return True
+
+
+def _answer(batch: int, chunk: int, generator: int) -> RolloutBatch:
+    return RolloutBatch(batch, generator, 0, [], [], [], 0.0, chunk=chunk, num_chunks=4)
+
+
+def test_through_the_pools_seam_an_answer_sends_the_hand_over_and_the_migrated_request_moves():
+    tail, book = TailMigration(3), Book({0: [(5, 0), (5, 3)], 1: [(5, 1), (5, 2)]})
+    del book.flight[0][(5, 3)]  # answered: the pool took it out of flight before telling the schedule
+    tail.answered(_answer(5, 3, generator=0), book)  # 3 left on 2 generators: 1 holds most
+    assert book.inboxes == {0: [TailHandoff(5, 0)], 1: []}
+    request = GenerationRequest(5, [0], [[2, 3]], SamplingSettings(max_new_tokens=4, n=1), chunk=0, num_chunks=4)
+    moved = ContinuedRequest(request, [[Completion([7], [-0.7], "", [[0, 0]])]])
+    assert tail.message(Migrated(0, moved, tokens=1), book)
+    assert (5, 0) in book.flight[1] and book.inboxes[1] == [moved] and (tail.moved, tail.moved_tokens) == (1, 1)
+    assert not tail.message(_answer(5, 1, generator=1), book)  # not a kind of its own: left to the pool
+
+
 def test_a_moved_request_never_travels_as_json():
-    request = GenerationRequest(0, [1], [[2, 3]], SamplingSettings(max_new_tokens=4, n=1),
-                                prefixes=[[Completion([5], [-0.5], "", [[0, 0]])]])
-    with pytest.raises(FieldError, match="prefixes"):
-        GenerationRequest.from_dict(request.to_dict())
-    plain = GenerationRequest(0, [1], [[2, 3]], SamplingSettings(max_new_tokens=4, n=1))
-    assert GenerationRequest.from_dict(plain.to_dict()) == plain
+    request = GenerationRequest(0, [1], [[2, 3]], SamplingSettings(max_new_tokens=4, n=1))
+    assert GenerationRequest.from_dict(request.to_dict()) == request
+    with pytest.raises(FieldError, match="prefixes"):  # a continued request's samples are not a request's field
+        GenerationRequest.from_dict({**request.to_dict(), "prefixes": [[]]})
+    assert not hasattr(ContinuedRequest, "to_dict")
 
 
 @pytest.mark.parametrize("fields,needs", [
