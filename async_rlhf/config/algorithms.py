@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from async_rlhf.config.base import AsyncRLConfig, _require, check_types
+from async_rlhf.errors import ConfigError
 
 
 @dataclass
@@ -98,11 +99,106 @@ class AsyncPolicyGradientConfig(AsyncRLConfig):
         super().__post_init__()
 
 
+DEFAULT_MAX_LENGTH = 512  # prompt + completion tokens of a group learner unless max_length is set (see its help)
+
+
 @dataclass
-class AsyncRLOOConfig(AsyncPolicyGradientConfig):
-    """RLOO (Ahmadian et al. 2024) on the asynchronous pipeline; k = num_generations samples per prompt."""
+class AsyncGroupRLConfig(AsyncPolicyGradientConfig):
+    """What TRL 1.16's `RLOOConfig` and `GRPOConfig` share: batch sizes counted in completions, TRL's defaults, and
+    every field of theirs accepted (config/trl_fields.py: what each becomes here, or why it is a no-op).
+
+    Batches, as TRL counts them: `per_device_train_batch_size` completions per rank per micro-batch; a step trains
+    per_device_train_batch_size x processes x gradient_accumulation_steps completions, that divided by
+    `num_generations` prompts (`prompts_per_step`). TRL's `generation_batch_size` / `steps_per_generation` are derived
+    and checked with TRL's rules and messages. Here a micro-batch holds whole prompt groups, so
+    per_device_train_batch_size must be a multiple of num_generations (TRL only needs generation_batch_size to be)."""
+
+    max_new_tokens: int | None = field(default=None, metadata={"help": "Our name for max_completion_length (set "
+                                                                      "either; both must agree)."})
+    max_completion_length: int | None = field(default=None, metadata={
+        "help": "Maximum tokens generated per completion; None: max_new_tokens if set, else 512 (TRL's default)."})
+    max_length: int | None = field(default=None, metadata={
+        "help": "Prompt + completion tokens in the learner's forward (TRL has no such field and does not cut "
+                "prompts; prompts longer than max_length - max_completion_length are skipped here, counted and "
+                "logged). None: 512, or 2 x max_completion_length when that is more; the trainer lowers a default "
+                "that the policy's max_position_embeddings cannot hold."})
+    generation_batch_size: int | None = field(default=None, metadata={
+        "help": "TRL: completions per generation batch; None: per_device_train_batch_size x processes x "
+                "steps_per_generation. Set at most one of it and steps_per_generation."})
+    steps_per_generation: int | None = field(default=None, metadata={
+        "help": "TRL: micro-batches per generation batch (None: gradient_accumulation_steps). A multiple m > 1 of "
+                "gradient_accumulation_steps samples m steps' completions with one policy: num_mini_batches m "
+                "(sync_every m, max_staleness m - 1); a divisor of it changes nothing here; anything else is refused "
+                "(a generation batch here never straddles two optimizer steps)."})
+    num_iterations: int = field(default=1, metadata={"help": "Updates per batch; only 1 (each batch trains one "
+                                                             "optimizer step; staleness is max_staleness's)."})
+    mask_truncated_completions: bool = field(default=False, metadata={"help": "Leave completions that hit "
+                                                                              "max_completion_length out of the "
+                                                                              "loss (DAPO)."})
+    vllm_max_model_length: int | None = field(default=None, metadata={"help": "TRL's name for vllm_max_model_len "
+                                                                              "(sets it when given)."})
+    num_generations_eval: int | None = field(default=None, metadata={"help": "TRL: no-op (evaluation here is the "
+                                                                             "task's: tasks/evaluation.py)."})
+    shuffle_dataset: bool = field(default=True, metadata={"help": "TRL: no-op unless True; prompts are always drawn "
+                                                                  "in a seeded permutation per epoch."})
+    pad_to_multiple_of: int | None = field(default="auto", metadata={"help": "TRL: 'auto' (TRL's default; None "
+                                                                             "off Neuron, as after TRL's checks); an "
+                                                                             "int is a no-op here."})
+    chat_template_kwargs: dict | str | None = field(default=None, metadata={"help": "TRL: no-op (the tokenizer's "
+                                                                                   "chat template is applied as is)."})
+    router_aux_loss_coef: float | None = field(default=None, metadata={"help": "TRL: no-op (no MoE aux loss)."})
+    sync_ref_model: bool = field(default=False, metadata={"help": "TRL: no-op unless False (the reference stays "
+                                                                  "the initial policy)."})
+    ref_model_mixup_alpha: float = field(default=0.6, metadata={"help": "TRL: used with sync_ref_model only."})
+    ref_model_sync_steps: int = field(default=512, metadata={"help": "TRL: used with sync_ref_model only."})
+    log_completions: bool = field(default=False, metadata={"help": "TRL: no-op (every trained batch is in "
+                                                                   "trained_batches.jsonl)."})
+    log_multimodal: bool = field(default=True, metadata={"help": "TRL: no-op (text policies only)."})
+    num_completions_to_print: int | None = field(default=None, metadata={"help": "TRL: no-op."})
+    log_unique_prompts: bool = field(default=False, metadata={"help": "TRL: no-op."})
+    use_transformers_continuous_batching: bool = field(default=False, metadata={"help": "TRL: no-op (generators "
+                                                                                        "are ours)."})
+    transformers_continuous_batching_config: dict | str | None = field(default=None, metadata={"help": "TRL: no-op."})
+    use_transformers_paged: bool = field(default=False, metadata={"help": "TRL (deprecated): no-op."})
+
+    counts_completions = True  # class constant: per_device_train_batch_size counts completions (TRL), not prompts
+
+    def __post_init__(self):
+        from async_rlhf.config.trl_fields import apply_group_fields, pad_multiple
+
+        self.pad_to_multiple_of = pad_multiple(self.pad_to_multiple_of)  # before the type check: TRL takes 'auto'
+        check_types(self)
+        apply_group_fields(self)  # lengths, TRL's batch rules, field mappings and the no-op warning
+        super().__post_init__()
+
+    @property
+    def groups_per_micro_batch(self) -> int:
+        """Prompt groups per rank per micro-batch: per_device_train_batch_size completions / num_generations."""
+        return self.per_device_train_batch_size // self.num_generations
+
+
+@dataclass
+class AsyncRLOOConfig(AsyncGroupRLConfig):
+    """RLOO (Ahmadian et al. 2024) on the asynchronous pipeline; k = num_generations samples per prompt. Fields and
+    defaults follow TRL 1.16's RLOOConfig (num_generations 2, beta 0.05); batch sizes count completions."""
 
     normalize_advantages: bool = field(default=False, metadata={"help": "Whiten advantages over the batch."})
+    reward_clip_range: list[float] | None = field(default=None, metadata={
+        "help": "Clamp each completion's combined reward to [low, high] before the KL penalty (TRL); None: off."})
+    epsilon_high: float | None = field(default=None, metadata={"help": "Upper clip bound of the ratio (default: "
+                                                                       "epsilon)."})
+
+    def __post_init__(self):
+        from async_rlhf.config.trl_fields import pad_multiple
+
+        self.pad_to_multiple_of = pad_multiple(self.pad_to_multiple_of)  # before the type check: TRL takes 'auto'
+        check_types(self)
+        if self.reward_clip_range is not None:
+            _require(len(self.reward_clip_range) == 2 and self.reward_clip_range[0] <= self.reward_clip_range[1],
+                     "reward_clip_range", f"must be [low, high] with low <= high, got {self.reward_clip_range}")
+        _require(self.epsilon_high is None or self.epsilon_high > 0, "epsilon_high",
+                 f"must be > 0, got {self.epsilon_high}")
+        super().__post_init__()
 
 
 @dataclass
@@ -128,7 +224,7 @@ class AsyncBestOfNConfig(AsyncRLConfig):
 
 
 @dataclass
-class AsyncGRPOConfig(AsyncPolicyGradientConfig):
+class AsyncGRPOConfig(AsyncGroupRLConfig):
     """GRPO (Shao et al. 2024) on the asynchronous pipeline, with TRL 1.16 GRPOConfig's names and defaults for the
     loss (`loss_type` "dapo", `beta` 0, `scale_rewards` "group", `num_generations` 8). The ratio's denominator and
     the stale-sample handling are `off_policy_correction`'s, as for RLOO and PPO. The reference model is still
@@ -151,17 +247,47 @@ class AsyncGRPOConfig(AsyncPolicyGradientConfig):
     importance_sampling_level: str = field(default="token", metadata={"help": "'token' ratios or one 'sequence' "
                                                                               "ratio (GSPO)."})
     use_bias_correction_kl: bool = field(default=True, metadata={"help": "Multiply the KL term by the ratio."})
-    mask_truncated_completions: bool = field(default=False, metadata={"help": "Leave completions that hit "
-                                                                              "max_completion_length out of the "
-                                                                              "loss (DAPO)."})
-    num_iterations: int = field(default=1, metadata={"help": "Updates per batch; only 1 (each batch trains one "
-                                                             "optimizer step; staleness is max_staleness's)."})
     sapo_temperature_pos: float = field(default=1.0, metadata={"help": "'sapo': gate temperature, A > 0."})
     sapo_temperature_neg: float = field(default=1.05, metadata={"help": "'sapo': gate temperature, A <= 0."})
+    multi_objective_aggregation: str = field(default="sum_then_normalize", metadata={
+        "help": "How several reward functions make one advantage: 'sum_then_normalize' (TRL's default: the weighted "
+                "sum, then the group normalisation); 'normalize_then_sum' is refused (not built here)."})
+    # ---- TRL 1.16 GRPOConfig fields with nothing to act on here (named in one warning when not TRL's default;
+    # config/trl_fields.py says why for each) -------------------------------------------------------------------
+    cast_lm_head_to_fp32: bool = field(default=False, metadata={"help": "TRL: no-op."})
+    vespo_k_pos: float = field(default=2.0, metadata={"help": "TRL ('vespo' loss): no-op, that loss is not built."})
+    vespo_lambda_pos: float = field(default=3.0, metadata={"help": "TRL ('vespo' loss): no-op."})
+    vespo_k_neg: float = field(default=3.0, metadata={"help": "TRL ('vespo' loss): no-op."})
+    vespo_lambda_neg: float = field(default=2.0, metadata={"help": "TRL ('vespo' loss): no-op."})
+    top_entropy_quantile: float = field(default=1.0, metadata={"help": "TRL: no-op unless 1.0 (every token "
+                                                                       "trains)."})
+    entropy_coef: float = field(default=0.0, metadata={"help": "TRL: no-op unless 0 (no entropy bonus)."})
+    use_adaptive_entropy: bool = field(default=False, metadata={"help": "TRL: no-op."})
+    entropy_coef_min: float = field(default=0.0, metadata={"help": "TRL: no-op."})
+    entropy_coef_max: float = field(default=1.0, metadata={"help": "TRL: no-op."})
+    entropy_coef_delta: float = field(default=0.005, metadata={"help": "TRL: no-op."})
+    entropy_target: float = field(default=0.2, metadata={"help": "TRL: no-op."})
+    max_tool_calling_iterations: int | None = field(default=None, metadata={"help": "TRL: no-op (no tools)."})
+    vllm_importance_sampling_correction: bool = field(default=True, metadata={
+        "help": "TRL: its correction of the generator/learner mismatch; here off_policy_correction does that job."})
+    vllm_importance_sampling_mode: str = field(default="sequence_mask", metadata={"help": "TRL: no-op "
+                                                                                          "(off_policy_correction)."})
+    vllm_importance_sampling_clip_max: float | None = field(default=3.0, metadata={"help": "TRL: no-op (is_cap)."})
+    vllm_importance_sampling_clip_min: float | None = field(default=None, metadata={"help": "TRL: no-op "
+                                                                                            "(is_floor)."})
+    vllm_importance_sampling_cap: float | None = field(default=None, metadata={"help": "TRL (deprecated): sets "
+                                                                                      "..._clip_max."})
+    off_policy_mask_threshold: float | None = field(default=None, metadata={"help": "TRL: no-op "
+                                                                                    "(off_policy_correction)."})
+    log_completions_hub_repo: str | None = field(default=None, metadata={"help": "TRL: no-op (needs "
+                                                                                "log_completions)."})
 
     def __post_init__(self):
         from async_rlhf.losses.grpo import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALE_REWARDS
 
+        from async_rlhf.config.trl_fields import pad_multiple
+
+        self.pad_to_multiple_of = pad_multiple(self.pad_to_multiple_of)  # before the type check: TRL takes 'auto'
         if isinstance(self.scale_rewards, str):  # flags and YAML may spell TRL's booleans as text
             self.scale_rewards = {"true": True, "false": False}.get(self.scale_rewards.lower(), self.scale_rewards)
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
@@ -174,8 +300,25 @@ class AsyncGRPOConfig(AsyncPolicyGradientConfig):
         _require(self.epsilon_high is None or self.epsilon_high > 0, "epsilon_high",
                  f"must be > 0, got {self.epsilon_high}")
         _require(self.delta is None or self.delta > 1, "delta", f"must be > 1 (a cap on the ratio), got {self.delta}")
-        _require(self.num_iterations == 1, "num_iterations",
-                 f"only 1 is supported (one optimizer step per batch), got {self.num_iterations}")
+        _require(self.multi_objective_aggregation in ("sum_then_normalize", "normalize_then_sum"),
+                 "multi_objective_aggregation", f"Invalid multi_objective_aggregation: "
+                 f"{self.multi_objective_aggregation}. Must be 'sum_then_normalize' or 'normalize_then_sum'.")
+        _require(self.multi_objective_aggregation == "sum_then_normalize", "multi_objective_aggregation",
+                 "'normalize_then_sum' is not built here yet; use 'sum_then_normalize' (TRL's default)")
+        if self.log_completions_hub_repo is not None and not self.log_completions:  # TRL's check and message
+            raise ConfigError("log_completions_hub_repo is set, but log_completions is False. Enable log_completions "
+                              "to upload completions to the Hub, or unset log_completions_hub_repo.")
+        if self.vllm_importance_sampling_cap is not None:
+            self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
+        lo, hi = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if lo is not None and hi is not None and lo >= hi:
+            raise ConfigError(f"vllm_importance_sampling_clip_min ({lo}) must be less than "
+                              f"vllm_importance_sampling_clip_max ({hi}).")
+        if (self.vllm_importance_sampling_correction and self.vllm_importance_sampling_mode in
+                ("token_truncate", "sequence_truncate") and lo is None and hi is None):
+            raise ConfigError("At least one of `vllm_importance_sampling_clip_min` or "
+                              "`vllm_importance_sampling_clip_max` must be set when `vllm_importance_sampling_mode` "
+                              "is a `*_truncate` mode.")
         _require(self.sapo_temperature_pos > 0 and self.sapo_temperature_neg > 0, "sapo_temperature_pos",
                  f"sapo temperatures must be > 0, got {self.sapo_temperature_pos}, {self.sapo_temperature_neg}")
         super().__post_init__()

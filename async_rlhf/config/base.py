@@ -500,6 +500,12 @@ class AsyncRLConfig(TrainingArguments):
         return self.generation_mode == "stream"
 
     @property
+    def groups_per_micro_batch(self) -> int:
+        """Prompt groups per rank per micro-batch: per_device_train_batch_size here; the group learners (GRPO,
+        RLOO) count it in completions, as TRL does (`AsyncGroupRLConfig`)."""
+        return self.per_device_train_batch_size
+
+    @property
     def prompts_per_step(self) -> int:
         """Prompts consumed by one optimizer step across all learner ranks."""
-        return self.per_device_train_batch_size * self.world_size * self.gradient_accumulation_steps
+        return self.groups_per_micro_batch * self.world_size * self.gradient_accumulation_steps

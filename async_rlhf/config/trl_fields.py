@@ -24,6 +24,21 @@ one way that decides most of this: it is always asynchronous, in generator proce
   `trust_remote_code=True` (never set: no model code is fetched or run).
 Conflicts between a TRL field and the explicit field it maps onto (`use_vllm=True` with
 `generator_backend='transformers'`) are a `ConfigError` naming both.
+
+TRL 1.16 `GRPOConfig` / `RLOOConfig` fields on the group learners (`AsyncGroupRLConfig`: GRPO, RLOO),
+`apply_group_fields`:
+* mapped: `max_completion_length` <-> `max_new_tokens` (either; 512 when neither is set, TRL's default);
+  `vllm_max_model_length` -> `vllm_max_model_len`; `per_device_train_batch_size`, `generation_batch_size` and
+  `steps_per_generation` count completions, with TRL's rules and error messages; a `steps_per_generation` of m x
+  `gradient_accumulation_steps` (m > 1) is `num_mini_batches` m, TRL's meaning (m steps trained on completions of
+  one policy), a divisor of `gradient_accumulation_steps` changes nothing (a step's policy is one either way).
+* refused with a message where the value would change training and is not built here: `num_iterations` > 1,
+  `multi_objective_aggregation='normalize_then_sum'`, a per_device_train_batch_size that is not a multiple of
+  num_generations (micro-batches hold whole prompt groups here), a steps_per_generation that straddles optimizer
+  steps.
+* no-op, in the same one warning as above (`GROUP_NO_OPS`): logging and engine options of TRL's in-process
+  generation, the reference-model sync, the entropy bonus and masking, TRL's vLLM importance-sampling correction
+  (here `off_policy_correction` does that job), the 'vespo' loss's parameters.
 """
 
 from __future__ import annotations
@@ -52,6 +67,138 @@ NO_OPS = {
 }
 
 
+# GRPOConfig / RLOOConfig field -> (TRL's default, why it cannot apply here); only the fields a config has count
+GROUP_NO_OPS = {
+    "num_generations_eval": (None, "evaluation here is the task's (tasks/evaluation.py), not the trainer's"),
+    "shuffle_dataset": (True, "prompts are always drawn in a seeded permutation per epoch"),
+    "pad_to_multiple_of": (None, "rows are padded to the longest of their length bucket"),
+    "chat_template_kwargs": (None, "conversational prompts are rendered with the tokenizer's template as is"),
+    "router_aux_loss_coef": (None, "no mixture-of-experts auxiliary loss is added"),
+    "sync_ref_model": (False, "the reference model stays the initial policy"),
+    "ref_model_mixup_alpha": (0.6, "used only with sync_ref_model"),
+    "ref_model_sync_steps": (512, "used only with sync_ref_model"),
+    "log_completions": (False, "every trained batch's prompts are in trained_batches.jsonl; no table is printed"),
+    "log_multimodal": (True, "text policies only"),
+    "num_completions_to_print": (None, "no completions table is printed"),
+    "log_unique_prompts": (False, "no completions table is printed"),
+    "log_completions_hub_repo": (None, "nothing is uploaded"),
+    "use_transformers_continuous_batching": (False, "generators are our own processes"),
+    "transformers_continuous_batching_config": (None, "generators are our own processes"),
+    "use_transformers_paged": (False, "generators are our own processes"),
+    "cast_lm_head_to_fp32": (False, "the head runs in the policy's dtype"),
+    "top_entropy_quantile": (1.0, "every completion token trains (entropy masking is not built)"),
+    "entropy_coef": (0.0, "no entropy bonus is built"),
+    "use_adaptive_entropy": (False, "no entropy bonus is built"),
+    "entropy_coef_min": (0.0, "no entropy bonus is built"),
+    "entropy_coef_max": (1.0, "no entropy bonus is built"),
+    "entropy_coef_delta": (0.005, "no entropy bonus is built"),
+    "entropy_target": (0.2, "no entropy bonus is built"),
+    "max_tool_calling_iterations": (None, "no tools are called"),
+    "vllm_importance_sampling_correction": (True, "off_policy_correction corrects the generator/learner mismatch"),
+    "vllm_importance_sampling_mode": ("sequence_mask", "off_policy_correction chooses the correction"),
+    "vllm_importance_sampling_clip_max": (3.0, "is_cap bounds the importance weights"),
+    "vllm_importance_sampling_clip_min": (None, "is_floor bounds the importance weights"),
+    "vllm_importance_sampling_cap": (None, "is_cap bounds the importance weights"),
+    "off_policy_mask_threshold": (None, "off_policy_correction='masked' drops tokens outside [is_floor, is_cap]"),
+    "vespo_k_pos": (2.0, "the 'vespo' loss is not built"),
+    "vespo_lambda_pos": (3.0, "the 'vespo' loss is not built"),
+    "vespo_k_neg": (3.0, "the 'vespo' loss is not built"),
+    "vespo_lambda_neg": (2.0, "the 'vespo' loss is not built"),
+}
+DEFAULT_COMPLETION_LENGTH = 512  # TRL 1.16's max_completion_length
+
+
+def _world_size() -> int:
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def apply_group_fields(config) -> None:
+    """TRL's RLOOConfig / GRPOConfig rules on a group learner's config (in place), before the shared checks: the
+    completion length, TRL's batch arithmetic with its checks and messages, and the fields that map onto ours."""
+    mct, mnt = config.max_completion_length, config.max_new_tokens
+    if mct is not None and mnt is not None and mct != mnt:
+        raise ConfigError(f"max_completion_length: {mct} and max_new_tokens: {mnt} name the same limit (TRL's name "
+                          "and ours); set one of them")
+    config.max_new_tokens = config.max_completion_length = mct or mnt or DEFAULT_COMPLETION_LENGTH
+    config.max_length_defaulted = config.max_length is None  # the trainer may lower it to the policy's positions
+    if config.max_length is None:
+        config.max_length = max(512, 2 * config.max_new_tokens)
+    if config.vllm_max_model_length is not None:
+        config.vllm_max_model_len = config.vllm_max_model_length
+    if config.use_transformers_paged:
+        config.use_transformers_continuous_batching = True
+    if config.num_iterations != 1:
+        raise ConfigError(f"num_iterations: only 1 is supported (one optimizer step per batch; how stale a batch may "
+                          f"be is max_staleness's), got {config.num_iterations}")
+    if config.auto_find_batch_size:  # TRL's check and message
+        raise ConfigError(f"auto_find_batch_size is not supported by {_trl_name(config)}, because the generation "
+                          "batch must contain full prompt groups of num_generations completions, and reducing the "
+                          "batch size on out-of-memory breaks this invariant. Set auto_find_batch_size=False and "
+                          "lower per_device_train_batch_size instead.")
+    _batch_sizes(config)
+
+
+def pad_multiple(value):
+    """TRL's `pad_to_multiple_of` as it holds it after its checks: 'auto' is None off Neuron; the CLI passes text."""
+    if isinstance(value, str):
+        text = value.lower()
+        if text in ("auto", "none", "null"):
+            return None
+        try:
+            return int(text)
+        except ValueError:
+            raise ConfigError(f"pad_to_multiple_of: {value!r} is not 'auto', None or an integer") from None
+    return value
+
+
+def _trl_name(config) -> str:
+    return "RLOO" if type(config).__name__ == "AsyncRLOOConfig" else "GRPO"
+
+
+def _batch_sizes(config) -> None:
+    """TRL 1.16's generation-batch arithmetic (its messages), then what a generation batch means here."""
+    per, processes, accumulation = config.per_device_train_batch_size, _world_size(), config.gradient_accumulation_steps
+    gbs, spg = config.generation_batch_size, config.steps_per_generation
+    if gbs is None and spg is None:
+        spg = accumulation
+        gbs = per * processes * spg
+    elif gbs is not None and spg is None:
+        if gbs % (per * processes) != 0:
+            raise ConfigError(f"generation_batch_size ({gbs}) must be divisible by the global batch size "
+                              f"({per * processes}).")
+        spg = gbs // (per * processes)
+    elif gbs is None and spg is not None:
+        gbs = per * processes * spg
+    else:
+        raise ConfigError("'generation_batch_size' and 'steps_per_generation' can not be both configured at the "
+                          "same time")
+    config.generation_batch_size, config.steps_per_generation = gbs, spg
+    k = config.num_generations
+    if gbs % k != 0:
+        raise ConfigError(f"generation_batch_size ({gbs}) must be divisible by num_generations ({k}).")
+    if k < 2:
+        raise ConfigError(f"{_trl_name(config)} requires at least 2 generations per prompt to calculate the "
+                          f"advantages. You provided {k}, which is less than the minimum required.")
+    if per % k != 0:
+        raise ConfigError(f"per_device_train_batch_size: {per} completions is not a multiple of num_generations "
+                          f"({k}): here each micro-batch holds whole prompt groups (TRL only needs the generation "
+                          f"batch to); use per_device_train_batch_size {max(k, per // k * k)} (and adjust "
+                          "gradient_accumulation_steps to keep the completions per step)")
+    if spg % accumulation == 0 and spg > accumulation:
+        m = spg // accumulation
+        if config.num_mini_batches not in (None, m):
+            raise ConfigError(f"steps_per_generation: {spg} = {m} x gradient_accumulation_steps means {m} steps "
+                              f"trained on one policy's completions (num_mini_batches {m}), but num_mini_batches="
+                              f"{config.num_mini_batches} was set; set only one of them")
+        config.num_mini_batches = m
+    elif accumulation % spg != 0:
+        raise ConfigError(f"steps_per_generation: {spg} with gradient_accumulation_steps {accumulation}: a generation "
+                          "batch here never straddles two optimizer steps; use a divisor or a multiple of "
+                          "gradient_accumulation_steps")
+
+
 def apply_trl_fields(config) -> None:
     """Map the TRL fields of `config` onto ours (in place) and warn once about those that cannot apply. Runs after
     the type checks and before the range checks, which then see the mapped values."""
@@ -66,11 +213,12 @@ def apply_trl_fields(config) -> None:
         host = "127.0.0.1" if config.vllm_server_host == "0.0.0.0" else config.vllm_server_host
         config.generator_servers = [config.vllm_server_base_url or f"{host}:{config.vllm_server_port}"]
     ignored = _apply_generation_kwargs(config)
-    unused = [f"{name}={getattr(config, name)!r} ({why})" for name, (default, why) in NO_OPS.items()
-              if getattr(config, name) != default]
+    unused = [f"{name}={getattr(config, name)!r} ({why})" for name, (default, why) in {**NO_OPS, **GROUP_NO_OPS}.items()
+              if hasattr(config, name) and getattr(config, name) != default]
     if ignored:
         unused.append(f"generation_kwargs {sorted(ignored)} (only sampling fields we have are applied)")
-    if unused:
+    if unused and getattr(config, "_trl_warning", None) != unused:  # once per config (policy gradient checks twice)
+        config._trl_warning = unused
         logger.warning("%s: TRL field(s) accepted but not applied here: %s", type(config).__name__,
                        "; ".join(unused))
 

@@ -124,7 +124,8 @@ def grpo_loss(
 
     Returns (loss, metrics), metrics detached scalars: loss, kl (masked mean of kl_t, when beta != 0), ratio_mean,
     clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean (fraction of tokens whose clip is active:
-    r < 1 − ε_low with A < 0, r > 1 + ε_high with A > 0; "cispo": cispo_clip_ratio), and with a correction
+    r < 1 − ε_low with A < 0, r > 1 + ε_high with A > 0; "cispo": cispo_clip_ratio), clip_ratio/low_min and
+    clip_ratio/high_max (the smallest / largest such fraction of one sequence, TRL's names), and with a correction
     is_weight_mean, is_capped_frac, is_ess.
     """
     if loss_type not in LOSS_TYPES:
@@ -209,4 +210,9 @@ def grpo_loss(
             metrics["clip_ratio/low_mean"] = masked_mean(low, fmask)
             metrics["clip_ratio/high_mean"] = masked_mean(high, fmask)
             metrics["clip_ratio/region_mean"] = masked_mean(torch.maximum(low, high), fmask)
+            rows = fmask.sum(-1) > 0  # TRL: each sequence's clipped fraction, then the min (low) / max (high)
+            seq_count = fmask.sum(-1).clamp(min=1.0)
+            if rows.any():
+                metrics["clip_ratio/low_min"] = ((low * fmask).sum(-1) / seq_count)[rows].min()
+                metrics["clip_ratio/high_max"] = ((high * fmask).sum(-1) / seq_count)[rows].max()
     return loss, metrics

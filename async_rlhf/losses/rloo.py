@@ -25,9 +25,12 @@ def rloo_advantages(rewards: Tensor) -> Tensor:
     """Leave-one-out advantages A_i = r_i − (1/(k−1))·Σ_{j≠i} r_j  (= k/(k−1)·(r_i − mean_j r_j)).
 
     Args:
-        rewards: [P, k] sequence rewards, one row per prompt, one column per completion (k ≥ 2).
+        rewards: [P, k] sequence rewards, one row per prompt, one column per completion (k ≥ 2). NaN marks an
+            unscorable completion (TRL 1.16's RLOOTrainer): the baseline averages the scorable siblings only, and
+            an unscorable completion, or the only scorable one of its group, gets advantage NaN (the caller zeroes
+            it, as TRL does, after any normalisation).
 
-    Returns: [P, k] detached advantages; each row sums to 0. To feed `rloo_loss`, flatten with
+    Returns: [P, k] detached advantages; each row of finite rewards sums to 0. To feed `rloo_loss`, flatten with
     `.reshape(-1)`, which matches a batch where each prompt's k completions are contiguous.
     """
     if rewards.dim() != 2:
@@ -36,7 +39,8 @@ def rloo_advantages(rewards: Tensor) -> Tensor:
     if k < 2:
         raise ValueError(f"RLOO needs k >= 2 completions per prompt, got k={k}")
     rewards = rewards.detach()
-    baseline = (rewards.sum(dim=1, keepdim=True) - rewards) / (k - 1)
+    scorable = (~torch.isnan(rewards)).sum(dim=1, keepdim=True)
+    baseline = (torch.nansum(rewards, dim=1, keepdim=True) - rewards) / (scorable - 1)
     return rewards - baseline
 
 

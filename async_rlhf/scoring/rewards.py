@@ -5,8 +5,19 @@ A reward function is either a callable `f(prompts, completions, completion_ids, 
 (TRL's convention: text in, one score per completion), a sequence-classification model (its logit 0 on
 prompt + completion text), or a path to such a model. Several are combined with `reward_weights`.
 
-Bad rewards (an exception, None, NaN or inf) follow `reward_failure`: "raise" fails naming the function and
-the prompt id; "skip" marks the sample invalid (its score becomes NaN) and counts it. A function that raises under
+`RewardScorer.trl_arguments` (the group learners, GRPO and RLOO, set it: `trl_reward_arguments`) makes a function
+receive exactly what TRL 1.16's GRPOTrainer / RLOOTrainer passes: `prompts` as the dataset has them (text, or message
+lists for conversational data), `completions` as text, or `[{"role": "assistant", "content": text}]` for
+conversational data, `completion_ids`, every other column by name, `trainer_state` (the Trainer's `state`),
+`log_extra` and `log_metric`; a reward model then scores the reward tokenizer's chat template over prompt and
+completion messages (conversational) or prompt + completion text, without added special tokens. None (or NaN) from a
+function is NaN, as in TRL: the functions' weighted scores are summed ignoring NaN, and a completion that no function
+scored is NaN (left out of its group's statistics, advantage 0). Without it (online DPO, PPO, best-of-n) a function
+gets the chat-templated prompt text and the completion text.
+
+Bad rewards (an exception; without `trl_arguments` also None, NaN or inf; with it inf) follow `reward_failure`:
+"raise" fails naming the function and the prompt id; "skip" marks the sample invalid (its score becomes NaN) and
+counts it. A function that raises under
 "skip" is logged (a warning with its exception and traceback) the first time, and every call it raises on is counted
 in `raised[name]` (metric `rewards/<name>/raised`), so a reward that always fails cannot silently train on nothing.
 """
@@ -79,30 +90,54 @@ class RewardScorer:
         self.shared_prefix = shared_prefix
         self.skipped = 0
         self.raised: collections.Counter[str] = collections.Counter()  # reward name -> calls that raised ("skip")
+        self.trl_arguments = False  # see the module docstring; set by `trl_reward_arguments`
+        self.extra_kwargs: Callable[[], dict] = dict  # more keyword arguments for every function (with trl_arguments)
 
     @torch.no_grad()
-    def _model_scores(self, model, tokenizer, prompts: list[str], completions: list[str]) -> list[float]:
-        texts = [p + c for p, c in zip(prompts, completions)]
-        if self.shared_prefix and supports_shared_prefix(model):
+    def _model_scores(self, model, tokenizer, prompts: list[str], completions: list[str],
+                      raw_prompts: list | None = None) -> list[float]:
+        if self.trl_arguments and raw_prompts is not None and isinstance(raw_prompts[0], list):
+            # TRL: the reward tokenizer's own chat template over the prompt and completion messages
+            texts = [tokenizer.apply_chat_template(p + [{"role": "assistant", "content": c}], tokenize=False)
+                     for p, c in zip(raw_prompts, completions)]
+        elif self.trl_arguments and raw_prompts is not None:
+            texts = [p + c for p, c in zip(raw_prompts, completions)]
+        else:
+            texts = [p + c for p, c in zip(prompts, completions)]
+        if self.shared_prefix and supports_shared_prefix(model) and not self.trl_arguments:
             rows = tokenizer(texts, truncation=True)["input_ids"]
             scores = shared_prefix_scores(model, rows, prompts, self.device)
             if scores is not None:
                 return scores
-        enc = tokenizer(texts, return_tensors="pt", padding=True, truncation=True).to(self.device)
+        enc = tokenizer(texts, return_tensors="pt", padding=True, truncation=True,
+                        add_special_tokens=not self.trl_arguments).to(self.device)
         return model(**enc).logits[:, 0].float().tolist()
 
     def score(self, prompts: list[str], completions: list[str], completion_ids: list[list[int]],
-              finished: list[bool], prompt_ids: list[int], columns: dict[str, list] | None = None):
-        """Returns (scores [N] float tensor, NaN where skipped; per-function raw scores {name: [N]})."""
+              finished: list[bool], prompt_ids: list[int], columns: dict[str, list] | None = None,
+              raw_prompts: list | None = None):
+        """Returns (scores [N] float tensor, NaN where skipped; per-function raw scores {name: [N]}). `raw_prompts`:
+        each completion's prompt as the dataset holds it (text or messages), used with `trl_arguments`."""
         per_func: dict[str, list[float]] = {}
         total = torch.zeros(len(completions))
+        trl = self.trl_arguments and raw_prompts is not None
+        if trl:
+            conversational = isinstance(raw_prompts[0], list)
+            func_prompts = raw_prompts
+            func_completions = [[{"role": "assistant", "content": c}] for c in completions] if conversational \
+                else completions
+            unscored = torch.ones(len(completions), dtype=torch.bool)  # no function scored it (yet)
+        else:
+            func_prompts, func_completions = prompts, completions
         for func, tok, name, w, is_model in zip(self.funcs, self.tokenizers, self.names, self.weights, self.is_model):
+            raised_now = False
             try:
                 if is_model:
-                    values = self._model_scores(func, tok, prompts, completions)
+                    values = self._model_scores(func, tok, prompts, completions, raw_prompts if trl else None)
                 else:
-                    values = func(prompts=prompts, completions=completions, completion_ids=completion_ids,
-                                  **(columns or {}))
+                    extra = self.extra_kwargs() if trl else {}
+                    values = func(prompts=func_prompts, completions=func_completions, completion_ids=completion_ids,
+                                  **(columns or {}), **extra)
             except Exception as exc:
                 if self.failure == "raise":
                     raise RewardError(f"reward function {name!r} raised on prompt ids {sorted(set(prompt_ids))}: "
@@ -112,19 +147,30 @@ class RewardScorer:
                                    "further failures are counted in rewards/%s/raised, not logged): %s: %s",
                                    name, name, type(exc).__name__, exc, exc_info=exc)
                 self.raised[name] += 1
+                raised_now = True
                 values = [None] * len(completions)
             if len(values) != len(completions):
                 raise RewardError(f"reward function {name!r} returned {len(values)} scores for "
                                   f"{len(completions)} completions")
             clean = []
             for v, pid in zip(values, prompt_ids):
-                bad = v is None or not math.isfinite(float(v))
+                unscored = trl and not raised_now and (v is None or math.isnan(float(v)))  # TRL: None is NaN
+                bad = not unscored and (v is None or not math.isfinite(float(v)))
                 if bad and self.failure == "raise":
                     raise RewardError(f"reward function {name!r} returned {v!r} for prompt id {pid} "
                                       "(set reward_failure='skip' to drop such samples)")
-                clean.append(float("nan") if bad else float(v))
+                clean.append(float("nan") if bad or unscored else float(v))
             per_func[name] = clean
-            total += w * torch.tensor(clean)
+            if trl:  # TRL: weighted scores summed ignoring NaN; raised ("skip") calls leave the sample out below
+                values_t = torch.tensor(clean)
+                total += torch.nan_to_num(w * values_t, nan=0.0)
+                unscored &= torch.isnan(values_t)
+                if raised_now:
+                    total += float("nan")  # this call raised under "skip": the samples are dropped, as before
+            else:
+                total += w * torch.tensor(clean)
+        if trl:
+            total[unscored] = float("nan")
         if self.missing_eos_penalty is not None:
             total -= self.missing_eos_penalty * (~torch.tensor(finished)).float()
         self.skipped += int(torch.isnan(total).sum())
@@ -139,7 +185,7 @@ def score_rows(batch: RolloutBatch, rows: range, scorer: RewardScorer, tokenizer
 
     `dataset_row(prompt_id)` returns the prompt's dataset row: its `prompt` (text or chat messages) is what the
     reward sees (the exact text the policy was conditioned on), every other column is passed to reward functions
-    by name, as TRL does. Metrics: `rewards/<name>/mean` per reward function (finite scores only),
+    by name, as TRL does. Metrics: `rewards/<name>/mean` and `/std` per reward function (finite scores only),
     `val/contain_eos_token`, `generator/completion_length`."""
     eos = tokenizer.eos_token_id
     if batch.rewards:
@@ -153,6 +199,9 @@ def score_rows(batch: RolloutBatch, rows: range, scorer: RewardScorer, tokenizer
     for name, values in per_func.items():
         finite = [v for v in values if math.isfinite(v)]
         metrics[f"rewards/{name}/mean"] = sum(finite) / len(finite) if finite else 0.0
+        mean = metrics[f"rewards/{name}/mean"]  # TRL's nanstd: Bessel-corrected, NaN below two values (0 here)
+        metrics[f"rewards/{name}/std"] = (math.sqrt(sum((v - mean) ** 2 for v in finite) / (len(finite) - 1))
+                                          if len(finite) > 1 else 0.0)
     for name, count in scorer.raised.items():
         metrics[f"rewards/{name}/raised"] = float(count)  # cumulative, on the rank that scored
     metrics["val/contain_eos_token"] = sum(finished) / len(finished)
@@ -206,7 +255,7 @@ def _score(batch: RolloutBatch, rows: range, scorer: RewardScorer, tokenizer,
            dataset_row: Callable[[int], dict]) -> tuple[list[float], dict[str, list[float]]]:
     """(combined score per completion of `rows`, NaN where skipped; each reward function's raw scores)."""
     eos = tokenizer.eos_token_id
-    prompts, completions, comp_ids, finished, pids = [], [], [], [], []
+    prompts, raw_prompts, completions, comp_ids, finished, pids = [], [], [], [], [], []
     columns: dict[str, list] = {}
     for r in rows:
         pid = batch.prompt_ids[r]
@@ -214,6 +263,7 @@ def _score(batch: RolloutBatch, rows: range, scorer: RewardScorer, tokenizer,
         text = prompt_text(row["prompt"], tokenizer)
         for c in batch.completions[r]:
             prompts.append(text)
+            raw_prompts.append(row["prompt"])
             completions.append(tokenizer.decode(c.token_ids, skip_special_tokens=True))
             comp_ids.append(c.token_ids)
             finished.append(_finished(c, eos))
@@ -221,8 +271,18 @@ def _score(batch: RolloutBatch, rows: range, scorer: RewardScorer, tokenizer,
             for name, value in row.items():
                 if name != "prompt":
                     columns.setdefault(name, []).append(value)
-    scores, per_func = scorer.score(prompts, completions, comp_ids, finished, pids, columns)
+    scores, per_func = scorer.score(prompts, completions, comp_ids, finished, pids, columns, raw_prompts=raw_prompts)
     return scores.tolist(), per_func
+
+
+def trl_reward_arguments(scorer: RewardScorer, trainer) -> None:
+    """Reward functions of `trainer` (GRPO, RLOO) get TRL 1.16's arguments (module docstring): `trainer_state`, and
+    `log_metric(name, value)` into the trainer's metrics; `log_extra(column, values)` is accepted and dropped (no
+    completions table here)."""
+    scorer.trl_arguments = True
+    scorer.extra_kwargs = lambda: {"trainer_state": trainer.state,  # read at each call: train() makes a new state
+                                   "log_metric": lambda name, value: trainer._metrics[name].append(float(value)),
+                                   "log_extra": lambda column, values: None}
 
 
 def _finished(c, eos: int) -> bool:

@@ -239,7 +239,7 @@ class AsyncTrainerBase(Trainer):
         batch = self.pipeline.micro_batch(step, micro, a.gradient_accumulation_steps)
         # the step's whole batch (train_while_generating: rank 0, from the last micro-batch); GRPO's "dapo" reads it
         self._step_batch = self.pipeline.trained_batch
-        per = a.per_device_train_batch_size
+        per = a.groups_per_micro_batch  # prompt groups (config/base.py)
         start = self.accelerator.process_index * per
         groups, metrics = score_rows(batch, range(start, start + per), self.scorer, self.processing_class,
                                      lambda pid: self.train_dataset[self.prompt_rows[pid]])

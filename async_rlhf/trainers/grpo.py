@@ -10,6 +10,11 @@ Where it differs from TRL's GRPOTrainer, because generation here is asynchronous
   same with one process and gradient_accumulation_steps 1);
 - rewards are combined (weighted sum of `reward_funcs` with `reward_weights`) before the advantage, TRL's default
   `multi_objective_aggregation="sum_then_normalize"`.
+
+As TRL: batch sizes count completions (`AsyncGroupRLConfig`), reward functions get TRL's arguments
+(`scoring/rewards.py::trl_reward_arguments`), and TRL's metric names are logged (`kl`, `entropy`, `num_tokens`,
+`completions/*`, `clip_ratio/*`, `rewards/<name>/mean|std`, `reward`, `reward_std`, `frac_reward_zero_std`) beside
+ours (`policy/*`, `objective/*`, `off_policy/*`).
 """
 
 from __future__ import annotations
@@ -19,8 +24,10 @@ import torch
 from async_rlhf.config.algorithms import AsyncGRPOConfig
 from async_rlhf.learner.logprobs import sequence_terms
 from async_rlhf.losses.grpo import grpo_advantages, grpo_loss
+from async_rlhf.scoring.rewards import trl_reward_arguments
 from async_rlhf.trainers.base import AsyncTrainerBase
-from async_rlhf.trainers.policy_gradient import common_metrics, policy_terms, ratio_denominator
+from async_rlhf.trainers.policy_gradient import common_metrics, policy_terms, ratio_denominator, trl_metrics
+from async_rlhf.trainers.trl_compat import prepare_group_args
 
 
 class AsyncGRPOTrainer(AsyncTrainerBase):
@@ -30,10 +37,14 @@ class AsyncGRPOTrainer(AsyncTrainerBase):
     def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
                  peft_config=None):
+        args = prepare_group_args(AsyncGRPOConfig, model, args, reward_funcs, reward_processing_classes)
+        if reward_processing_classes is not None and not isinstance(reward_processing_classes, list):
+            reward_processing_classes = [reward_processing_classes]
         super().__init__(model, ref_model=None, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class,
                          reward_processing_classes=reward_processing_classes, peft_config=peft_config,
                          callbacks=callbacks, optimizers=optimizers)
+        trl_reward_arguments(self.scorer, self)
         # TRL's public attributes after construction
         self.reward_funcs = self.scorer.funcs  # callables and loaded reward models, in order
         self.reward_weights = self.scorer.weights
@@ -44,6 +55,13 @@ class AsyncGRPOTrainer(AsyncTrainerBase):
         self.epsilon_low = self.args.epsilon
         self.epsilon_high = self.args.epsilon_high if self.args.epsilon_high is not None else self.args.epsilon
         self.max_completion_length = self.args.max_new_tokens
+        self.num_iterations = self.args.num_iterations
+        self.mask_truncated_completions = self.args.mask_truncated_completions
+        self.importance_sampling_level = self.args.importance_sampling_level
+        self.multi_objective_aggregation = self.args.multi_objective_aggregation
+        self.use_liger_kernel = False
+        self.log_completions = self.args.log_completions
+        self.num_completions_to_print = self.args.num_completions_to_print
 
     def _step_token_count(self) -> float:
         """Tokens in the loss over the whole step's batch (every rank, every micro-batch), divided by ranks x
@@ -79,13 +97,14 @@ class AsyncGRPOTrainer(AsyncTrainerBase):
                             num_items=self._step_token_count() if a.loss_type in ("dapo", "cispo") else None,
                             sapo_temperature_pos=a.sapo_temperature_pos, sapo_temperature_neg=a.sapo_temperature_neg)
         metrics = {f"policy/{k}": float(v) for k, v in m.items()}
+        metrics.update({k: float(v) for k, v in m.items() if k.startswith(("clip_ratio/", "cispo_clip_ratio"))})
+        if "kl" in m:  # TRL logs it only when beta != 0
+            metrics["kl"] = float(m["kl"])
         finite = rewards[torch.isfinite(rewards)]
         metrics["reward"] = finite.mean().item() if finite.numel() else 0.0
         metrics["reward_std"] = finite.std().item() if finite.numel() > 1 else 0.0
         metrics["frac_reward_zero_std"] = std_zero.float().mean().item()
-        metrics["completions/mean_length"] = t.seq.mask.sum(-1).float().mean().item()
-        metrics["completions/clipped_ratio"] = sum(c.finish_reason == "length" for c in t.seq.completions) / max(
-            1, len(t.seq.completions))
+        metrics.update(trl_metrics(self, t))
         # KL-shaped score as objective/rlhf_reward, as the other learners (score - beta * sum(log pi - log pi_ref))
         kl_seq = ((t.seq.logps.detach() - t.seq.ref_logps) * t.mask).sum(-1)
         metrics.update(common_metrics(t, t.scores - a.beta * kl_seq, a.beta))

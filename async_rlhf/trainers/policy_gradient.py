@@ -9,6 +9,12 @@ optimizer step per batch it is the current forward pass, detached), and the poli
   at `is_cap` / dropped above it / dropped outside [`is_floor`, `is_cap`]); see `losses/off_policy.py`.
 Every step logs `off_policy/is_ess`, the effective sample size of the raw weights π/μ (1 on-policy), whatever the
 correction; with one, `policy/is_ess` is that of the weights the loss applied.
+
+`trl_metrics` adds the names TRL 1.16's GRPOTrainer and RLOOTrainer log (GRPO and RLOO log them beside ours):
+`num_tokens` (prompt + completion tokens trained so far, every rank), `completions/{mean,min,max}_length`,
+`completions/clipped_ratio`, `completions/{mean,min,max}_terminated_length`, `entropy` and, with beta != 0, `kl`.
+`entropy` here is the sampled tokens' mean -log π (a Monte Carlo estimate of the policy's entropy at the sampling
+temperature: TRL's is the exact entropy of each position's distribution, which our forwards do not keep).
 """
 
 from __future__ import annotations
@@ -61,4 +67,29 @@ def common_metrics(t: PolicyTerms, shaped: torch.Tensor, beta: float) -> dict[st
     drift = log_ratio_stats(t.seq.logps.detach(), t.seq.behaviour, t.mask)
     for k in ("log_ratio_mean", "log_ratio_abs_max", "is_weight_mean", "is_weight_max", "kl", "is_ess"):
         out[f"off_policy/{k}"] = float(drift[k])
+    return out
+
+
+def trl_metrics(trainer, t: PolicyTerms) -> dict[str, float]:
+    """TRL's metric names for this micro-batch (module docstring; each learner adds its own `kl`); sets the
+    trainer's `num_tokens` itself (a running total, not a mean over the logging window)."""
+    mask = t.seq.mask
+    lengths = torch.tensor([float(len(c.token_ids)) for c in t.seq.completions])
+    truncated = torch.tensor([c.finish_reason == "length" for c in t.seq.completions])
+    terminated = lengths[~truncated]
+    out = {
+        "completions/mean_length": lengths.mean().item(),
+        "completions/min_length": lengths.min().item(),
+        "completions/max_length": lengths.max().item(),
+        "completions/clipped_ratio": truncated.float().mean().item(),
+        "completions/mean_terminated_length": terminated.mean().item() if terminated.numel() else 0.0,
+        "completions/min_terminated_length": terminated.min().item() if terminated.numel() else 0.0,
+        "completions/max_terminated_length": terminated.max().item() if terminated.numel() else 0.0,
+        "entropy": (-(t.seq.logps.detach() * mask).sum() / mask.sum().clamp(min=1)).item(),
+    }
+    tokens = torch.tensor(float(t.seq.attention_mask.sum()), device=mask.device)
+    if trainer.accelerator.num_processes > 1:  # every rank computes a micro-batch in step: a safe collective
+        tokens = trainer.accelerator.reduce(tokens, reduction="sum")
+    trainer.state.num_input_tokens_seen += int(tokens.item())
+    trainer._metrics["num_tokens"] = [float(trainer.state.num_input_tokens_seen)]
     return out

@@ -1,15 +1,28 @@
 """Asynchronous RLOO: k samples per prompt, leave-one-out baseline, KL folded into the reward, PPO-style clipped
 update against the behaviour (or proximal) log-probs. Constructor and config names follow TRL 1.16's RLOOTrainer.
+
+As TRL's: batch sizes count completions (`AsyncGroupRLConfig`), reward functions get TRL's arguments
+(`scoring/rewards.py::trl_reward_arguments`), an unscorable completion (every function returned None) is left out of
+its siblings' baseline with advantage 0, `reward_clip_range` clamps the combined reward, and TRL's metric names are
+logged (`kl`, `entropy`, `num_tokens`, `completions/*`, `rewards/<name>/mean|std`, `reward`, `reward_std`,
+`frac_reward_zero_std`) beside ours. Where it differs: the ratio is per token against the behaviour (or proximal)
+log-probs (TRL's is one ratio per sequence against the same step's log-probs), and the clip is symmetric
+(`epsilon_high` other than `epsilon` is refused).
 """
 
 from __future__ import annotations
 
+import torch
+
 from async_rlhf.config.algorithms import AsyncRLOOConfig
+from async_rlhf.errors import ConfigError
 from async_rlhf.learner.logprobs import sequence_terms
 from async_rlhf.losses.ppo import whiten
 from async_rlhf.losses.rloo import kl_shaped_rewards, rloo_advantages, rloo_loss
+from async_rlhf.scoring.rewards import trl_reward_arguments
 from async_rlhf.trainers.base import AsyncTrainerBase
-from async_rlhf.trainers.policy_gradient import common_metrics, policy_terms, ratio_denominator
+from async_rlhf.trainers.policy_gradient import common_metrics, policy_terms, ratio_denominator, trl_metrics
+from async_rlhf.trainers.trl_compat import prepare_group_args
 
 
 class AsyncRLOOTrainer(AsyncTrainerBase):
@@ -18,23 +31,59 @@ class AsyncRLOOTrainer(AsyncTrainerBase):
 
     def __init__(self, model, reward_funcs, args=None, train_dataset=None, eval_dataset=None, processing_class=None,
                  reward_processing_classes=None, callbacks=None, optimizers=(None, None), peft_config=None):
+        args = prepare_group_args(AsyncRLOOConfig, model, args, reward_funcs, reward_processing_classes)
+        if args.epsilon_high is not None and args.epsilon_high != args.epsilon:
+            raise ConfigError(f"epsilon_high: {args.epsilon_high} (asymmetric clipping) is not built for RLOO here; "
+                              f"leave it None or equal to epsilon ({args.epsilon})")
+        if reward_processing_classes is not None and not isinstance(reward_processing_classes, list):
+            reward_processing_classes = [reward_processing_classes]
         super().__init__(model, ref_model=None, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class,
                          reward_processing_classes=reward_processing_classes, peft_config=peft_config,
                          callbacks=callbacks, optimizers=optimizers)
+        trl_reward_arguments(self.scorer, self)
+        self.num_generations = self.args.num_generations
+        self.beta = self.args.beta
+        self.epsilon_low = self.args.epsilon
+        self.epsilon_high = self.args.epsilon_high if self.args.epsilon_high is not None else self.args.epsilon
+        self.max_completion_length = self.args.max_new_tokens
+        self.normalize_advantages = self.args.normalize_advantages
+        self.reward_clip_range = self.args.reward_clip_range
+        self.mask_truncated_completions = self.args.mask_truncated_completions
 
     def compute_rollout_loss(self, model, groups):
         a = self.args
         t = policy_terms(sequence_terms(model, self.ref_model, groups, temperature=a.sampling_temperature,
                                         sampling_temperature=a.sampling_temperature, **self.packing()), groups)
-        shaped = kl_shaped_rewards(t.scores, t.seq.logps.detach(), t.seq.ref_logps, t.mask, a.beta)
-        advantages = rloo_advantages(shaped.view(len(groups), a.num_generations)).reshape(-1)
-        advantages = advantages * t.valid.to(advantages.dtype)
-        if a.normalize_advantages and int(t.valid.sum()) > 1:
-            advantages = whiten(advantages, t.valid.to(advantages.dtype))
+        dev = t.seq.mask.device
+        raw = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32, device=dev)
+        raw = torch.where(torch.isfinite(raw), raw, torch.nan)  # unscorable: out of the baseline (TRL)
+        if a.reward_clip_range is not None:
+            raw = raw.clamp(min=a.reward_clip_range[0], max=a.reward_clip_range[1])
+        mask = t.seq.mask
+        if a.mask_truncated_completions:
+            finished = torch.tensor([c.finish_reason != "length" for c in t.seq.completions], device=dev)
+            mask = mask * finished[:, None].to(mask.dtype)
+        shaped = kl_shaped_rewards(raw, t.seq.logps.detach(), t.seq.ref_logps, mask, a.beta)
+        grouped = shaped.view(len(groups), a.num_generations)
+        advantages = rloo_advantages(grouped).reshape(-1)
+        scorable = torch.isfinite(advantages)
+        if a.normalize_advantages and int(scorable.sum()) > 1:
+            advantages = whiten(torch.nan_to_num(advantages, nan=0.0), scorable.to(advantages.dtype))
+        advantages = torch.nan_to_num(advantages, nan=0.0) * scorable.to(advantages.dtype)
         old, mu = ratio_denominator(t, a.off_policy_correction)
-        loss, m = rloo_loss(t.seq.logps, old, advantages, t.mask, clip_eps=a.epsilon, behaviour_logps=mu,
+        loss, m = rloo_loss(t.seq.logps, old, advantages, mask, clip_eps=a.epsilon, behaviour_logps=mu,
                             off_policy=a.off_policy_correction, is_cap=a.is_cap, is_floor=a.is_floor)
         metrics = {f"policy/{k}": float(v) for k, v in m.items()}
-        metrics.update(common_metrics(t, shaped, a.beta))
+        finite = raw[torch.isfinite(raw)]
+        metrics["reward"] = finite.mean().item() if finite.numel() else 0.0
+        metrics["reward_std"] = finite.std().item() if finite.numel() > 1 else 0.0
+        std = torch.stack([g[torch.isfinite(g)].std() if torch.isfinite(g).sum() > 1 else torch.tensor(0.0)
+                           for g in grouped])
+        metrics["frac_reward_zero_std"] = torch.isclose(std, torch.zeros_like(std)).float().mean().item()
+        if a.beta != 0.0:  # TRL: the first-order per-token KL, masked mean
+            kl = (t.seq.logps.detach() - t.seq.ref_logps) * mask
+            metrics["kl"] = (kl.sum() / mask.sum().clamp(min=1)).item()
+        metrics.update(trl_metrics(self, t))
+        metrics.update(common_metrics(t, torch.nan_to_num(shaped, nan=0.0), a.beta))
         return loss, metrics

@@ -11,11 +11,15 @@ model loads. `set_trl_attributes` sets the public attributes TRL's constructor s
   processes, not in the trainer;
 - `num_generations` is `args.num_generations` (TRL fixes it at 2; ours takes best vs worst of k >= 2);
 - processors (vision-language policies) are refused with a message: only text policies are trained here.
+
+`prepare_group_args` does what TRL 1.16's GRPOTrainer and RLOOTrainer check or decide before their models load:
+reward processing classes as TRL counts them (one tokenizer given for two reward functions is TRL's `ValueError`),
+and a default `max_length` (ours; TRL has none) lowered to what the policy's position table holds.
 """
 
 from __future__ import annotations
 
-from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase, ProcessorMixin
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase, ProcessorMixin
 
 from async_rlhf.errors import ConfigError
 
@@ -36,6 +40,34 @@ def check_trl_arguments(model, ref_model, reward_funcs, args, reward_processing_
     if args.reward_weights is not None and len(args.reward_weights) != n_funcs:
         raise ConfigError(f"reward_weights: number of reward weights ({len(args.reward_weights)}) must match number "
                           f"of reward functions ({n_funcs})")
+
+
+def prepare_group_args(config_class, model, args, reward_funcs, reward_processing_classes):
+    """The GRPO / RLOO constructors' checks before any model loads (module docstring); returns the config."""
+    import logging
+    import os
+    import tempfile
+
+    if args is None:
+        args = config_class(output_dir=os.path.join(tempfile.gettempdir(), "async_rlhf-output"))
+    n_funcs = len(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else 1
+    procs = reward_processing_classes
+    if procs is not None and not isinstance(procs, list):
+        procs = [procs]
+    if procs is not None and len(procs) != n_funcs:  # TRL's message
+        raise ConfigError(f"The number of reward processing classes ({len(procs)}) must match the number of reward "
+                          f"functions ({n_funcs}).")
+    if getattr(args, "max_length_defaulted", False):
+        try:
+            config = AutoConfig.from_pretrained(model) if isinstance(model, str) else model.config
+        except OSError:  # no such model: the base constructor raises the loader's own error
+            config = None
+        positions = getattr(config, "max_position_embeddings", None)
+        if positions and args.max_length > positions > args.max_new_tokens:
+            logging.getLogger(__name__).info("max_length: %d (the default) is more than the policy's %d positions; "
+                                             "using %d", args.max_length, positions, positions)
+            args.max_length = positions
+    return args
 
 
 def tokenizer_for(processing_class, model, source_path: str | None):

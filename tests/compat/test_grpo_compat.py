@@ -78,7 +78,6 @@ def _train(impl: str, fields: dict, reward_funcs, dataset, model_dir: str, outpu
     else:
         from async_rlhf import AsyncGRPOConfig, AsyncGRPOTrainer
 
-        fields["per_device_train_batch_size"] //= fields["num_generations"]
         args = AsyncGRPOConfig(**fields, **OURS_ONLY)
         trainer = AsyncGRPOTrainer(model=model_dir, reward_funcs=reward_funcs, args=args, train_dataset=dataset)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -111,7 +110,6 @@ def test_public_attributes_after_construction(impl, tiny_model_dir, tmp_path):
     else:
         from async_rlhf import AsyncGRPOConfig, AsyncGRPOTrainer
 
-        fields["per_device_train_batch_size"] //= fields["num_generations"]
         args = AsyncGRPOConfig(**fields, **OURS_ONLY)
         trainer = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=funcs, args=args, train_dataset=_dataset())
     assert trainer.reward_funcs == funcs
