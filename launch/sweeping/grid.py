@@ -33,8 +33,20 @@ GRID_KEYS = {
     "accelerate_config": "accelerate config file for every run (default: accelerate's own default)",
     "timeout_minutes": "per-run time limit (default 120)",
     "jobs": "runs at a time (default 1; keep 1 when comparing wall-clock times)",
+    "gpus_per_run": "GPUs of one run (default 0: runs inherit the sweep's GPUs). Local: each running run gets its own "
+                    "CUDA_VISIBLE_DEVICES, jobs x gpus_per_run must fit the visible GPUs; Slurm: the cell's allocation",
+    "slurm": "the Slurm backend's resources per cell (keys in SLURM_KEYS; command-line options override them)",
     "estimate": "rough cost of one run, for --dry_run's time estimate before any run of the sweep is measured: "
                 "{startup_seconds: s, seconds_per_step: s or {algorithm: s}}",
+}
+SLURM_KEYS = {  # a grid's `slurm:` mapping; launch/sweeping/slurm.py turns it into a cell's allocation
+    "nodes_per_run": "nodes of one cell's allocation (default 1); gpus_per_run is split evenly over them",
+    "cpus_per_run": "CPUs of one cell on each of its nodes (sbatch --cpus-per-task; default 1)",
+    "mem_gb": "memory of one cell on each of its nodes, GB (sbatch --mem; default: the partition's)",
+    "partition": "the partition (default: the cluster's default partition)",
+    "account": "the account to charge",
+    "sbatch": "further sbatch options, passed through: {option: value} (e.g. {qos: high, constraint: a100})",
+    "signal_delay_s": "seconds before the time limit at which a cell is told to checkpoint and is requeued (default 120)",
 }
 ESTIMATE_KEYS = ("startup_seconds", "seconds_per_step")
 ALGORITHM_KEYS = ("recipe", "flags")
@@ -68,6 +80,8 @@ class Grid:
     timeout_minutes: float = 120.0
     jobs: int = 1
     estimate: dict = field(default_factory=dict)  # {"startup_seconds": s, "seconds_per_step": {algorithm: s}}
+    gpus_per_run: int = 0
+    slurm: dict = field(default_factory=dict)  # keys of SLURM_KEYS, shapes checked here, values by slurm.py
     recipe_options: dict[str, dict | None] = field(default_factory=dict)  # recipe -> {flag: default}; None: unchecked
 
 
@@ -179,6 +193,8 @@ def load_grid(path: str) -> Grid:
         accelerate_config=raw.get("accelerate_config"),
         timeout_minutes=raw.get("timeout_minutes", 120.0),
         jobs=raw.get("jobs", 1),
+        gpus_per_run=raw.get("gpus_per_run", 0),
+        slurm=_mapping(path, "slurm", raw.get("slurm")),
     )
     for flag, values in grid.axes.items():
         grid.axes[flag] = _distinct_list(path, f"axes.{flag}", values)
@@ -192,6 +208,11 @@ def load_grid(path: str) -> Grid:
         _fail(path, "timeout_minutes", f"must be a number > 0, got {grid.timeout_minutes!r}")
     if not isinstance(grid.jobs, int) or grid.jobs < 1:
         _fail(path, "jobs", f"must be an integer >= 1, got {grid.jobs!r}")
+    if not isinstance(grid.gpus_per_run, int) or isinstance(grid.gpus_per_run, bool) or grid.gpus_per_run < 0:
+        _fail(path, "gpus_per_run", f"must be an integer >= 0, got {grid.gpus_per_run!r}")
+    _unknown(path, "slurm: ", grid.slurm, SLURM_KEYS)
+    if "sbatch" in grid.slurm:
+        grid.slurm["sbatch"] = _mapping(path, "slurm.sbatch", grid.slurm["sbatch"])
     grid.estimate = _estimate_spec(path, raw.get("estimate"), [a.name for a in grid.algorithms])
     _check_flag_ownership(grid)
     grid.recipe_options = {a.recipe: recipe_options(a.recipe) for a in grid.algorithms}

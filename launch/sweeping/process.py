@@ -47,11 +47,12 @@ def signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-_ERROR_LINE = re.compile(r"^[\w.]*(Error|Exception|Failed|Timeout|Interrupt)\w*: ")
+_ERROR_LINE = re.compile(r"^[\w.]*(Error|Exception|Failed|Timeout|Interrupt)\w*: |^[\w.-]+\.py: error: ")  # or argparse's
 
 
 def error_line(log_path: str) -> str:
-    """The last exception line of a log (not accelerate's wrapper error), else its last non-empty line."""
+    """The last exception line of a log (not accelerate's wrapper error), or argparse's `<script>.py: error: ...`
+    line, else its last non-empty line."""
     try:
         with open(log_path, errors="replace") as f:
             lines = [ln.strip() for ln in f.read().splitlines() if ln.strip()]

@@ -5,7 +5,7 @@ in its directory (`sweep_run.json`).
 Guarantees: `expand` returns the runs in grid order with distinct names (or raises GridError); `check_run_dirs`
 refuses, before anything starts, a finished run whose recorded flags differ from the grid's (its numbers would
 silently mix two settings in one cell), a directory the sweep did not make, and a run an earlier, killed sweep
-left running. A record is replaced atomically (written aside, then renamed), so a reader never sees half of one.
+left running (a local process group, or a Slurm job still queued or running). A record is replaced atomically (written aside, then renamed), so a reader never sees half of one.
 """
 
 from __future__ import annotations
@@ -14,11 +14,14 @@ import itertools
 import json
 import os
 import re
+import shutil
 import sys
 from dataclasses import dataclass
 
+import yaml
+
 from evals.run_result import run_finished
-from launch.sweeping import ROOT
+from launch.sweeping import ROOT, slurm_queue
 from launch.sweeping.grid import KNOBS, Grid, GridError
 from launch.sweeping.process import still_running
 from launch.sweeping.recipe_flags import task_defaults
@@ -87,6 +90,24 @@ def command(grid: Grid, run: Run, run_dir: str) -> list[str]:
     return launch + [run.recipe, "--config", config]
 
 
+def prepare_run_dir(grid: Grid, run: Run, runs_dir: str, status: str, **extra) -> tuple[str, list[str], dict]:
+    """Empty the run's directory and write its config.yaml and sweep_run.json (with `status` and `extra` fields);
+    returns (run_dir, command, record). Both backends start a run this way."""
+    run_dir = os.path.join(runs_dir, run.name)
+    if os.path.isdir(run_dir):  # an unfinished attempt (checked by check_run_dirs): start clean, since the recipe
+        shutil.rmtree(run_dir)  # appends to metrics.jsonl and a half-written one would mix two attempts
+    os.makedirs(run_dir)
+    with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+        yaml.safe_dump({**run.flags, "output_dir": run_dir}, f, sort_keys=False)
+    cmd = command(grid, run, run_dir)
+    record = {"name": run.name, "algorithm": run.algorithm, "recipe": rel(run.recipe), "knob": run.knob,
+              "knob_value": run.knob_value, "seed": run.seed, "axes": run.axes, "flags": run.flags,
+              "expects_eval": run.expects_eval, "index": run.index, "command": cmd, "grid": os.path.abspath(grid.path),
+              "status": status, "returncode": None, "seconds": None, "message": "", **extra}
+    write_record(run_dir, record)
+    return run_dir, cmd, record
+
+
 def read_record(run_dir: str) -> dict | None:
     """A run directory's sweep_run.json; None when there is none or it is not JSON (not made by the sweep)."""
     try:
@@ -122,6 +143,12 @@ def check_run_dirs(runs: list[Run], runs_dir: str, grid_path: str) -> None:
             if os.path.isdir(run_dir) and os.listdir(run_dir):
                 raise GridError(f"{run_dir} exists but was not made by the sweep (no sweep_run.json); move it away")
             continue
+        job = record.get("job_id") if record.get("status") in ("queued", "running", "requeued") else None
+        state = slurm_queue.active(job) if job else None
+        if state:
+            raise GridError(f"{run.name} is still {state.lower()} as Slurm job {job} of an earlier sweep; wait for it "
+                            f"(`python launch/sweep.py --status DIR`) or cancel it with `scancel {job.split('_')[0]}`, "
+                            "then rerun")
         pgid = still_running(run_dir, record)
         if pgid:
             raise GridError(f"{run.name} is still running from an earlier sweep (process group {pgid}); wait for it "

@@ -5,6 +5,9 @@ Guarantees:
   `sweep_run.json` (cell, command, status, exit code, seconds); finished runs are skipped, not restarted;
 - a run that fails or outlives its timeout is stopped with its process group (process.py) and reported with its
   error line; the others still run;
+- with GPU slots (gpus.py: `jobs` disjoint sets of `gpus_per_run` GPUs), each running run holds one slot as its
+  `CUDA_VISIBLE_DEVICES` (recorded in sweep_run.json) and gives it back when it ends: no two running runs share a
+  GPU. Without slots, runs inherit the sweep's environment;
 - Ctrl-C or SIGTERM (raised as KeyboardInterrupt by the caller's handler) stops every running run the same way,
   marks the queued ones "not started", writes the report and re-raises;
 - whether it ends or is interrupted, the sweep leaves `DIR/sweep_report.json` (the command, every run's status)
@@ -15,19 +18,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import time
 from dataclasses import dataclass
-
-import yaml
 
 from evals.archive import write_archive
 from evals.run_result import run_finished
 from launch.sweeping import process
 from launch.sweeping.estimate import duration, estimate
+from launch.sweeping.gpus import GpuPool
 from launch.sweeping.grid import Grid
-from launch.sweeping.runs import Run, command, rel, write_record
+from launch.sweeping.runs import Run, prepare_run_dir, write_record
 
 
 @dataclass
@@ -41,21 +42,14 @@ class Active:
     started: float
     deadline: float
     record: dict
+    gpu_slot: str | None = None  # its CUDA_VISIBLE_DEVICES when the sweep packs GPUs
 
 
-def _start(grid: Grid, run: Run, runs_dir: str, timeout_s: float, env: dict) -> Active:
-    run_dir = os.path.join(runs_dir, run.name)
-    if os.path.isdir(run_dir):  # an unfinished attempt (checked by check_run_dirs): start clean, since the recipe
-        shutil.rmtree(run_dir)  # appends to metrics.jsonl and a half-written one would mix two attempts
-    os.makedirs(run_dir)
-    with open(os.path.join(run_dir, "config.yaml"), "w") as f:
-        yaml.safe_dump({**run.flags, "output_dir": run_dir}, f, sort_keys=False)
-    cmd = command(grid, run, run_dir)
-    record = {"name": run.name, "algorithm": run.algorithm, "recipe": rel(run.recipe), "knob": run.knob,
-              "knob_value": run.knob_value, "seed": run.seed, "axes": run.axes, "flags": run.flags,
-              "expects_eval": run.expects_eval, "index": run.index, "command": cmd, "grid": os.path.abspath(grid.path),
-              "status": "running", "returncode": None, "seconds": None, "message": ""}
-    write_record(run_dir, record)
+def _start(grid: Grid, run: Run, runs_dir: str, timeout_s: float, env: dict, gpu_slot: str | None = None) -> Active:
+    extra = {} if gpu_slot is None else {"cuda_visible_devices": gpu_slot}
+    run_dir, cmd, record = prepare_run_dir(grid, run, runs_dir, status="running", **extra)
+    if gpu_slot is not None:
+        env = {**env, "CUDA_VISIBLE_DEVICES": gpu_slot}
     log = open(os.path.join(run_dir, "log.txt"), "w")
     log.write("$ " + " ".join(cmd) + "\n")
     log.flush()
@@ -67,7 +61,7 @@ def _start(grid: Grid, run: Run, runs_dir: str, timeout_s: float, env: dict) -> 
     record["pgid"] = proc.pid  # its own session: pgid == pid
     write_record(run_dir, record)
     now = time.monotonic()
-    return Active(run, run_dir, proc, log, now, now + timeout_s, record)
+    return Active(run, run_dir, proc, log, now, now + timeout_s, record, gpu_slot)
 
 
 def _finish(a: Active, status: str, message: str = "") -> dict:
@@ -86,8 +80,10 @@ def _finish(a: Active, status: str, message: str = "") -> dict:
     return a.record
 
 
-def run_sweep(grid: Grid, runs: list[Run], output_dir: str, grace: float = 30.0, invocation: str = "") -> list[dict]:
-    """Run every unfinished run, `grid.jobs` at a time. Returns one outcome per run (finished runs as 'skipped')."""
+def run_sweep(grid: Grid, runs: list[Run], output_dir: str, grace: float = 30.0, invocation: str = "",
+              gpu_slots: list[str] | None = None) -> list[dict]:
+    """Run every unfinished run, `grid.jobs` at a time (each on its own slot of `gpu_slots` when given, which then
+    has `grid.jobs` entries). Returns one outcome per run (finished runs as 'skipped')."""
     jobs, timeout_s = grid.jobs, 60.0 * grid.timeout_minutes
     runs_dir = os.path.join(output_dir, "runs")
     os.makedirs(runs_dir, exist_ok=True)
@@ -106,22 +102,27 @@ def run_sweep(grid: Grid, runs: list[Run], output_dir: str, grace: float = 30.0,
     env.setdefault("WANDB_MODE", "offline")
     if jobs > 1 and "OMP_NUM_THREADS" not in env:  # concurrent runs share the cores instead of oversubscribing them
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // jobs))
+    pool = GpuPool(gpu_slots) if gpu_slots else None
     active: list[Active] = []
     done = 0
     try:
         while pending or active:
             while pending and len(active) < jobs:
                 run = pending.pop(0)
+                slot = pool.take() if pool else None
                 try:
-                    a = _start(grid, run, runs_dir, timeout_s, env)
+                    a = _start(grid, run, runs_dir, timeout_s, env, slot)
                 except OSError as exc:  # e.g. the launcher cannot be executed: this run fails, the others go on
+                    if slot is not None:
+                        pool.give(slot)
                     outcomes[run.name] = {"name": run.name, "status": "failed", "returncode": None, "seconds": 0.0,
                                           "message": f"could not start: {exc}"}
                     done += 1
                     print(f"[sweep] failed   {run.name}: could not start: {exc}", flush=True)
                     continue
                 active.append(a)
-                print(f"[sweep] start  {a.run.name}  (log: {os.path.join(a.run_dir, 'log.txt')})", flush=True)
+                print(f"[sweep] start  {a.run.name}  (log: {os.path.join(a.run_dir, 'log.txt')})"
+                      + (f"  CUDA_VISIBLE_DEVICES={slot}" if slot is not None else ""), flush=True)
             time.sleep(0.2)
             for a in list(active):
                 if a.proc.poll() is not None:
@@ -133,6 +134,8 @@ def run_sweep(grid: Grid, runs: list[Run], output_dir: str, grace: float = 30.0,
                 else:
                     continue
                 active.remove(a)
+                if a.gpu_slot is not None:
+                    pool.give(a.gpu_slot)
                 outcomes[a.run.name] = outcome
                 done += 1
                 total = done + len(active) + len(pending)
@@ -151,13 +154,14 @@ def run_sweep(grid: Grid, runs: list[Run], output_dir: str, grace: float = 30.0,
             outcomes[a.run.name] = _finish(a, "interrupted", "stopped by Ctrl-C / SIGTERM of the sweep")
         for run in pending:
             outcomes[run.name] = {"name": run.name, "status": "not started", "message": "sweep interrupted"}
-        _write_report(output_dir, grid, runs, outcomes, invocation)
+        write_report(output_dir, grid, runs, outcomes, invocation)
         raise
-    _write_report(output_dir, grid, runs, outcomes, invocation)
+    write_report(output_dir, grid, runs, outcomes, invocation)
     return [outcomes[r.name] for r in runs]
 
 
-def _write_report(output_dir: str, grid: Grid, runs: list[Run], outcomes: dict[str, dict], invocation: str) -> None:
+def write_report(output_dir: str, grid: Grid, runs: list[Run], outcomes: dict[str, dict], invocation: str) -> None:
+    """DIR/sweep_report.json (the command, every run's outcome) and DIR/runs.jsonl; both backends end with it."""
     report = {"grid": os.path.abspath(grid.path), "description": grid.description, "command": invocation,
               "runs": [{k: outcomes[r.name].get(k) for k in ("name", "status", "returncode", "seconds", "message")}
                        for r in runs if r.name in outcomes]}
