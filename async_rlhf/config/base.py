@@ -121,7 +121,7 @@ class AsyncRLConfig(TrainingArguments):
     )
     speculative: str = field(
         default="off",
-        metadata={"help": "Speculative decoding in local vLLM generators (generation/speculative.py): 'off', 'ngram' "
+        metadata={"help": "Speculative decoding in local vLLM generators (config/speculative.py): 'off', 'ngram' "
                   "(prompt lookup), 'suffix' (suffix trees; needs arctic-inference), 'history' (drafts from earlier "
                   "completions of the same prompt in this run) or 'auto' (measured on the policy: the fastest, or off). "
                   "Drafts are verified by rejection sampling: samples and behaviour log-probs stay the policy's. "

@@ -9,7 +9,7 @@ token by token; on vLLM's CPU build that needs `spec_decode_cpu.py`):
   `arctic-inference` package;
 * "history": our proposer (`history_proposer.py`) behind vLLM's `custom_class` interface: drafts from earlier
   sequences of the same engine, so from earlier completions of the same prompt in this run;
-* "auto": measured once per policy and machine (`speculative_probe.py`), then one of the above.
+* "auto": measured once per policy and machine (`generation/pool/speculative_choice.py`), then one of the above.
 
 Nothing here imports vLLM: the config checks run before any engine starts.
 """

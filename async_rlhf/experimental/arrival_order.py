@@ -33,7 +33,7 @@ import time
 from typing import Callable
 
 from async_rlhf.errors import StageTimeout
-from async_rlhf.pipeline.batch_forming import WholeBatches
+from async_rlhf.pipeline.batch_forming import PipelineAccess, WholeBatches
 from async_rlhf.pipeline.rank_share import check_logprobs_finite
 from async_rlhf.types import RolloutBatch
 
@@ -130,12 +130,13 @@ def _merged(batch_id: int, entries: list[tuple[RolloutBatch, int]]) -> RolloutBa
 class ArrivalOrderBatches(WholeBatches):
     """Whole batches whose micro-batches (but the last) are taken in arrival order (see the module docstring)."""
 
-    per_micro_batch = True
+    per_micro_batch = True  # its checkpoints are whole batches' (`name` stays "whole")
 
-    def __init__(self, owner):
-        super().__init__(owner)
-        self.arrivals = ArrivalOrder(owner.args.max_staleness)
+    def __init__(self, access: PipelineAccess, max_staleness: int):
+        super().__init__(access)
+        self.arrivals = ArrivalOrder(max_staleness)
         self._fused_step = False  # the current step's micro-batches are taken in arrival order
+        self._whole: RolloutBatch | None = None  # the current step's batch, when taken whole
 
     def arrived(self, part: RolloutBatch) -> bool:
         self.arrivals.add(part)  # before its batch can reach the queue
@@ -148,12 +149,12 @@ class ArrivalOrderBatches(WholeBatches):
             self.arrivals.forget_before(step)
         if not self._fused_step:
             if micro == 0:
-                p.take_whole(step)
-            return p.trained_batch.select(list(range(micro * count, (micro + 1) * count)))
+                self._whole = p.take_whole(step)
+            return self._whole.select(list(range(micro * count, (micro + 1) * count)))
         if micro < micro_batches - 1:
             t0 = time.perf_counter()
             self.dispatch()
-            part = self.arrivals.take(step, count, p.args.rollout_timeout, p.check)
+            part = self.arrivals.take(step, count, p.rollout_timeout, p.check)
             p.records.timers["wait"] += time.perf_counter() - t0
             check_logprobs_finite(part)
             return part

@@ -51,6 +51,7 @@ import time
 from typing import Callable
 
 from async_rlhf.errors import StageTimeout
+from async_rlhf.pipeline.batch_forming import PipelineAccess
 from async_rlhf.types import RolloutBatch
 
 
@@ -228,18 +229,19 @@ def restore_partial(partial: PartialRollouts | None, setting: int, version: int,
 
 class PartialBatches:
     """Partial rollouts as a batch schedule (`pipeline/batch_forming.py`): dispatch, arriving groups and each step's
-    batch go to `PartialRollouts`; the pipeline (`owner`) sends, checks liveness and counts staleness."""
+    batch go to `PartialRollouts`; the pipeline (`PipelineAccess`) sends, checks liveness and counts staleness."""
 
+    name = "partial_rollouts"
     per_micro_batch = False
 
-    def __init__(self, owner):
-        args = owner.args
-        self.p = owner
-        self.partial = PartialRollouts(args.prompts_per_step, args.max_staleness, args.partial_rollouts, owner.send,
-                                       args.max_oldest_staleness)
+    def __init__(self, access: PipelineAccess, prompts_per_step: int, max_staleness: int, setting: int,
+                 max_oldest_staleness: int | None):
+        self.p = access
+        self.setting = setting
+        self.partial = PartialRollouts(prompts_per_step, max_staleness, setting, access.send, max_oldest_staleness)
 
     def restore(self, version: int, pending: list[RolloutBatch], counters: dict) -> None:
-        restore_partial(self.partial, self.p.args.partial_rollouts, version, pending, counters)
+        restore_partial(self.partial, self.setting, version, pending, counters)
 
     def counters(self) -> dict:
         return {"partial": self.partial.state()[0]}
@@ -248,11 +250,11 @@ class PartialBatches:
         return self.partial.state()[1]  # finished, untrained groups
 
     def dispatch(self) -> None:
-        self.partial.dispatch(self.p.queued_version, self.p.total_steps)
+        self.partial.dispatch(self.p.queued_version(), self.p.total_steps())
 
     def take(self, step: int) -> RolloutBatch:
         self.dispatch()
-        batch = self.partial.take(step, self.p.args.rollout_timeout, self.p.check, self.dispatch)
+        batch = self.partial.take(step, self.p.rollout_timeout, self.p.check, self.dispatch)
         self.p.queue.staleness_counts[step - batch.policy_version] += 1
         return batch
 

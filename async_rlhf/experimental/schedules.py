@@ -1,23 +1,27 @@
 """Which schedules a run gets: the core's defaults unless an experimental option asks for another. The one place
-that maps options to the seams' implementations (`pipeline/batch_forming.py`, `generation/pool/scheduling.py`);
-the trainer calls it, so neither the pipeline nor the pool names an option. Options that cannot go together are
-refused earlier, by the config (`config/checks.py`, `UNSUPPORTED`)."""
+that maps options to the seams' implementations: batch forming (`pipeline/batch_forming.py`), generator scheduling
+(`generation/pool/scheduling.py`), the streaming engine (`generation/engine/stream_engine.py`) and stages of rank 0's
+scoring thread (`scoring/stage.py`); the trainer calls it, so neither the pipeline, the pool, the engine nor the
+trainer names an option. Options that cannot go together are refused earlier, by the config (`config/checks.py`,
+`UNSUPPORTED`)."""
 
 from __future__ import annotations
 
 from async_rlhf.experimental.arrival_order import ArrivalOrderBatches
 from async_rlhf.experimental.elastic import make_elastic
+from async_rlhf.experimental.fused_reference import reference_parts
 from async_rlhf.experimental.partial_rollouts import PartialBatches
 from async_rlhf.experimental.tail_migration import HandoffEngine, TailMigration
-from async_rlhf.pipeline.batch_forming import WholeBatches
+from async_rlhf.pipeline.batch_forming import MakeBatchForming, WholeBatches
 
 
-def batch_forming(args):
-    """The batch schedule: `partial_rollouts` > 0, `train_while_generating`, or whole batches (the core's)."""
+def batch_forming(args) -> MakeBatchForming:
+    """The batch schedule's factory: `partial_rollouts` > 0, `train_while_generating`, or whole batches (the core's)."""
     if args.partial_rollouts:
-        return PartialBatches
+        return lambda access: PartialBatches(access, args.prompts_per_step, args.max_staleness,
+                                             args.partial_rollouts, args.max_oldest_staleness)
     if args.train_while_generating:
-        return ArrivalOrderBatches
+        return lambda access: ArrivalOrderBatches(access, args.max_staleness)
     return WholeBatches
 
 
@@ -35,3 +39,14 @@ def stream_engine(args) -> type | None:
     """The engine a streaming generator serves with (`generation/engine/worker.GeneratorSpec.stream_engine`): one that
     can hand requests over mid-sample with `tail_migration`; None: the core's `StreamEngine`."""
     return HandoffEngine if args.tail_migration else None
+
+
+def scoring_stages(args, *, ref_model, deepspeed: bool, packing: dict, temperature: float) -> list:
+    """Stages an optional schedule adds to learner rank 0's scoring thread (`scoring/stage.py`), after the rewards:
+    with `reference_while_generating`, the reference log-probs of each arriving part (`fused_reference.py`), where
+    parts are scored as they arrive (`score_while_generating`, not under DeepSpeed) and the reference is a frozen
+    model (not a LoRA policy's adapters-off self). `packing`: pad_id, max_length, device and shared_prefix."""
+    if not (args.reference_while_generating and args.score_while_generating and not deepspeed
+            and ref_model is not None):
+        return []
+    return [("reference", lambda parts: reference_parts(parts, ref_model, temperature=temperature, **packing))]

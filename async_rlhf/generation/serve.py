@@ -25,7 +25,7 @@ Every other argument is vLLM's (`python -m vllm.entrypoints.openai.api_server --
   temperature>0 requests with chunked prefill: "CPU Generator does not use offset") and
   `--kv-cache-memory-bytes 1073741824` (the CPU build cannot size its cache itself);
 * `--speculative ngram|suffix|history` (and `--speculative_tokens K`, default 4): speculative decoding as a local
-  generator's `speculative` option does it (`generation/speculative.py`), passed to vLLM as its `--speculative-config`;
+  generator's `speculative` option does it (`config/speculative.py`), passed to vLLM as its `--speculative-config`;
   refused before the engine starts if it cannot run (a missing package, K out of range). The CPU build's
   rejection sampler is made exact by our worker extension (`spec_decode_cpu.py`);
 * `--port 0` picks a free port; once the server answers `/health`, one line `READY_LINE http://host:port` is

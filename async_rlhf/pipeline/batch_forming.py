@@ -10,20 +10,44 @@ Optional schedules (`experimental/`) implement the same methods: `partial_rollou
 on the first finished groups within the bound) and `arrival_order.ArrivalOrderBatches` (`train_while_generating`:
 micro-batches in arrival order). Which one a run gets is decided above this layer (`experimental/schedules.py`).
 
-The schedule works for the pipeline (`rollout_pipeline.RolloutPipeline`, its `owner`), whose queue, sending,
-liveness check and records it uses. Threads: `arrived` runs on the reader thread (or the scoring thread when parts
-are scored as they arrive); everything else on rank 0's main thread.
+A schedule is built with a `PipelineAccess`, what it may use of the pipeline and nothing else (the queue, sending,
+the liveness check, the records and a few read-only values), and whatever settings its factory binds
+(`experimental/schedules.py`). Threads: `arrived` runs on the reader thread (or the scoring thread when parts are
+scored as they arrive); everything else on rank 0's main thread.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Callable, Protocol
 
 from async_rlhf.errors import CheckpointError
+from async_rlhf.pipeline.records import PipelineRecords
+from async_rlhf.pipeline.staleness_queue import StalenessQueue
 from async_rlhf.types import RolloutBatch
 
 
+@dataclass(frozen=True)
+class PipelineAccess:
+    """What a batch schedule may use of the pipeline on rank 0 (`rollout_pipeline.RolloutPipeline` builds it)."""
+
+    queue: StalenessQueue  # complete batches go in (`put`); a step waits on it (`get`); admission (`admissible`)
+    records: PipelineRecords  # counters: `batch_assembled`, `timers["wait"]`, `regenerated`
+    send: Callable[..., None]  # send(batch_id, indices=None, attempt=0): the batch (or those groups) to generators
+    check: Callable[[], None]  # raises `GeneratorFailed` / `StageTimeout` / a scoring failure: call while waiting
+    take_whole: Callable[[int], RolloutBatch]  # take_whole(step): the step's batch from `take`, checked and counted
+    queued_version: Callable[[], int]  # the newest weights sent to the generators
+    total_steps: Callable[[], int]  # batches the run trains (it grows when the Trainer runs past max_steps)
+    pool_size: Callable[[], int]  # generators the run started with
+    rollout_timeout: float  # the longest a step waits for its rollouts (seconds)
+
+
+# (what it may use of the pipeline) -> the run's batch schedule; `experimental/schedules.py` binds the settings
+MakeBatchForming = Callable[[PipelineAccess], "BatchForming"]
+
+
 class BatchForming(Protocol):
+    name: str  # saved with a checkpoint's counters; a resume with another schedule is refused
     per_micro_batch: bool  # True: `take_micro` forms each micro-batch (one broadcast each); False: slices of `take`
 
     def restore(self, version: int, pending: list[RolloutBatch], counters: dict) -> None: ...
@@ -48,19 +72,21 @@ class BatchForming(Protocol):
 class WholeBatches:
     """The core schedule (see the module docstring)."""
 
+    name = "whole"
     per_micro_batch = False
 
-    def __init__(self, owner):  # a `rollout_pipeline.RolloutPipeline`, which imports this module
-        self.p = owner
+    def __init__(self, access: PipelineAccess):
+        self.p = access
         self.next_dispatch = 0  # next batch id to send
         self._parts: dict[int, dict[int, RolloutBatch]] = {}  # batch id -> chunk -> rollouts (reader thread)
 
     # ---- checkpoints -------------------------------------------------------------------------------------------
     def restore(self, version: int, pending: list[RolloutBatch], counters: dict) -> None:
-        if version > 0 and counters.get("partial") is not None:
+        saved = counters.get("batch_forming", self.name)
+        if version > 0 and saved != self.name:
             raise CheckpointError(
-                "resume_from_checkpoint: the checkpoint was saved with partial_rollouts on, this run has "
-                "partial_rollouts=0; resume with the setting it was saved with (rollouts in flight are kept "
+                f"resume_from_checkpoint: the checkpoint was saved with the batch schedule {saved!r}, this run forms "
+                f"{self.name!r} batches; resume with the settings it was saved with (rollouts in flight are kept "
                 "differently)")
         self.next_dispatch = version
         for batch in pending:
@@ -77,7 +103,7 @@ class WholeBatches:
     def dispatch(self) -> None:
         """Send every batch that admission allows now (batch c once the queued version >= c - max_staleness)."""
         p = self.p
-        while self.next_dispatch < p.total_steps and p.queue.admissible(self.next_dispatch, p.queued_version):
+        while self.next_dispatch < p.total_steps() and p.queue.admissible(self.next_dispatch, p.queued_version()):
             if self.next_dispatch not in p.queue:  # restored from a checkpoint: already generated
                 p.send(self.next_dispatch)
             self.next_dispatch += 1
@@ -87,10 +113,10 @@ class WholeBatches:
         p = self.p
         while True:
             self.dispatch()
-            batch = p.queue.get(step, learner_version=step, timeout=p.args.rollout_timeout, poll=p.check)
+            batch = p.queue.get(step, learner_version=step, timeout=p.rollout_timeout, poll=p.check)
             if batch is not None:
                 return batch
-            p.regenerated += 1
+            p.records.regenerated += 1
             p.send(step)
 
     def take_micro(self, step: int, micro: int, micro_batches: int, count: int) -> RolloutBatch:
@@ -106,7 +132,7 @@ class WholeBatches:
             return False
         del self._parts[part.batch_id]
         ordered = [parts[c] for c in range(part.num_chunks)]
-        self.p.records.batch_assembled(part.batch_id, ordered, self.p.pool_size)
+        self.p.records.batch_assembled(part.batch_id, ordered, self.p.pool_size())
         self.p.queue.put(part if part.num_chunks == 1 else RolloutBatch.merged(part.batch_id, ordered))
         return True
 

@@ -43,7 +43,7 @@ from typing import Callable
 
 from async_rlhf.errors import GeneratorFailed, RewardError, StageTimeout, WeightTransportError
 from async_rlhf.pipeline.assignment import LengthEstimator, assign
-from async_rlhf.pipeline.batch_forming import BatchForming, WholeBatches
+from async_rlhf.pipeline.batch_forming import MakeBatchForming, PipelineAccess, WholeBatches
 from async_rlhf.pipeline.generator_pool import GeneratorPoolProtocol, GeneratorScheduling, MakePool
 from async_rlhf.pipeline.prompt_stream import PromptStream
 from async_rlhf.pipeline.rank_share import check_logprobs_finite, share_batch
@@ -66,13 +66,13 @@ class RolloutPipeline:
                  total_steps: int, settings: SamplingSettings, make_pool: MakePool | None = None,
                  score: list[tuple[str, Callable[[list[RolloutBatch]], list[RolloutBatch]]]] | None = None,
                  budgets: list[int] | None = None,
-                 batch_forming: Callable[[RolloutPipeline], BatchForming] = WholeBatches):
+                 batch_forming: MakeBatchForming = WholeBatches):
         """`make_pool(on_rollouts, initial_version)`: (weight transport, generator pool not started yet, generator
         schedule) for this run, on rank 0 (`generation/pool/choice.py`, bound by the trainer).
         `score`: the stages that score a part on rank 0 as it arrives (`scoring/stage.py`); None: the learner
         scores batches.
         `budgets`: each prompt's own `max_new_tokens` (a dataset column, `data/prompts.py`); None: the settings'.
-        `batch_forming`: the batch schedule (`batch_forming.py`), built with this pipeline as its owner."""
+        `batch_forming`: the batch schedule (`batch_forming.py`), built with what it may use of this pipeline."""
         self.args = args
         self.accelerator = accelerator
         self.is_main = accelerator.is_main_process
@@ -97,17 +97,16 @@ class RolloutPipeline:
         self._in_flight_tokens = collections.defaultdict(float)  # generator -> expected tokens sent, not returned
         self._owners: dict[tuple[int, int], list] = {}  # (batch, part) -> [(generator, expected tokens)] per send
         self._load_lock = threading.Lock()  # the two above: dispatch (main thread) and the reader thread
-        self.forming = batch_forming(self)
+        self.forming = batch_forming(PipelineAccess(
+            queue=self.queue, records=self.records, send=self.send, check=self.check, take_whole=self.take_whole,
+            queued_version=lambda: self.queued_version, total_steps=lambda: self.total_steps,
+            pool_size=lambda: self.pool_size, rollout_timeout=args.rollout_timeout))
         self._step_batch: RolloutBatch | None = None  # the current step's whole batch (see `micro_batch`)
         self._partitions: PartitionStore | None | bool = None  # `_partition_store`: None undecided, False not used
 
     @property
     def regenerated(self) -> int:
         return self.records.regenerated
-
-    @regenerated.setter
-    def regenerated(self, value: int) -> None:
-        self.records.regenerated = value
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     def start(self, initial_version: int = 0, pending: list[RolloutBatch] = (), counters: dict | None = None) -> None:
@@ -139,7 +138,7 @@ class RolloutPipeline:
 
     def counters(self) -> dict:
         """What a checkpoint saves of the pipeline (`async_rlhf_pipeline.json`)."""
-        return {**self.records.counters(self.queue), **self.forming.counters()}
+        return {**self.records.counters(self.queue), **self.forming.counters(), "batch_forming": self.forming.name}
 
     def stats(self) -> dict[str, float]:
         """Cumulative pipeline metrics (meaningful on rank 0)."""

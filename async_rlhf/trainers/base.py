@@ -28,7 +28,6 @@ from async_rlhf.config.checks import check_learner_combinations
 from async_rlhf.data.prompts import check_prompt_dataset, completion_budgets, tokenize_prompts
 from async_rlhf.errors import ConfigError, GeneratorFailed, StageTimeout
 from async_rlhf.experimental import schedules
-from async_rlhf.experimental.fused_reference import reference_parts
 from async_rlhf.generation.pool.choice import make_pool
 from async_rlhf.generation.pool.early_start import choose_backend_and_spawn
 from async_rlhf.generation.pool.placement import (
@@ -202,12 +201,12 @@ class AsyncTrainerBase(Trainer):
     def sampling_settings(self) -> SamplingSettings:
         return SamplingSettings.from_config(self.args)
 
-    def packing(self) -> dict:
+    def packing(self, fused: bool = True) -> dict:
         """How `logprobs.sequence_terms` packs this trainer's rows (one forward per model under DeepSpeed)."""
         return {"pad_id": self.processing_class.pad_token_id, "max_length": self.args.max_length,
                 "device": self.accelerator.device, "shared_prefix": self.args.reference_shared_prefix,
                 "split_forwards": self.splits_forwards(),
-                "fused_temperature": self.reference_temperature() if self.fuses_reference() else None}
+                "fused_temperature": self.reference_temperature() if fused and self.fuses_reference() else None}
 
     def splits_forwards(self) -> bool:
         """`split_forwards` resolved: by default on CPU learners only (on an H100 the split step never clearly beat
@@ -224,11 +223,16 @@ class AsyncTrainerBase(Trainer):
         return self.args.sampling_temperature
 
     def fuses_reference(self) -> bool:
-        """Rank 0's scoring thread computes the reference log-probs (`experimental/fused_reference.py`): fused scoring, a frozen
-        reference model (not a LoRA policy's adapters-off self), no DeepSpeed."""
-        a = self.args
-        return a.score_while_generating and a.reference_while_generating and not self.is_deepspeed_enabled and (
-            self.ref_model is not None)
+        """Rank 0's scoring thread computes the reference log-probs, so the step skips its reference forward (an
+        optional schedule's stage: `experimental/schedules.py`)."""
+        return bool(self._schedule_stages())
+
+    def _schedule_stages(self) -> list:
+        """The optional schedules' stages of rank 0's scoring thread (`experimental/schedules.scoring_stages`)."""
+        p = {k: v for k, v in self.packing(fused=False).items()
+             if k in ("pad_id", "max_length", "device", "shared_prefix")}
+        return schedules.scoring_stages(self.args, ref_model=self.ref_model, deepspeed=self.is_deepspeed_enabled,
+                                        packing=p, temperature=self.reference_temperature())
 
     def micro_batch_groups(self) -> list[ScoredGroup]:
         """This rank's prompts of the current micro-batch, with their completions scored."""
@@ -374,13 +378,9 @@ class AsyncTrainerBase(Trainer):
         """Rank 0's stages for each arriving part (`scoring/stage.py`): rewards, reference; None: off / DeepSpeed."""
         if not self.args.score_while_generating or self.is_deepspeed_enabled:
             return None
-        stages = [("reward", lambda parts: score_parts(parts, self.scorer, self.processing_class,
-                                                       lambda pid: self.train_dataset[self.prompt_rows[pid]]))]
-        if self.fuses_reference():
-            p = {k: v for k, v in self.packing().items() if k in ("pad_id", "max_length", "device", "shared_prefix")}
-            stages.append(("reference", lambda parts: reference_parts(parts, self.ref_model,
-                                                                      temperature=self.reference_temperature(), **p)))
-        return stages
+        return [("reward", lambda parts: score_parts(parts, self.scorer, self.processing_class,
+                                                     lambda pid: self.train_dataset[self.prompt_rows[pid]])),
+                *self._schedule_stages()]
 
     # ---- interruption and checkpoints ----------------------------------------------------------------------
     def _on_signal(self, signum, frame):

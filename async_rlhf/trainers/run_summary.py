@@ -15,7 +15,7 @@ FINAL_METRICS = ("objective/scores", "objective/kl", "objective/rlhf_reward", "l
 
 
 def _speculative(args, stats: dict) -> dict:
-    """The method and, with speculation, its counters: {"method": "off"} without (`pipeline_records.py`)."""
+    """The method and, with speculation, its counters: {"method": "off"} without (`pipeline/records.py`)."""
     out = {"method": getattr(args, "speculative", "off")}
     if out["method"] != "off":
         out["num_speculative_tokens"] = args.num_speculative_tokens

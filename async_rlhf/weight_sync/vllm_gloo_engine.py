@@ -1,6 +1,6 @@
 """`async_rlhf_gloo`: the CPU twin of vLLM's `nccl` weight-transfer engine, registered in vLLM's factories.
 
-Shaped like vLLM 0.32's `nccl_engine.py`, and driven by the same calls (`init_weight_transfer_engine`,
+Shaped like vLLM 0.32's `vllm/distributed/weight_transfer/nccl_engine.py`, and driven by the same calls (`init_weight_transfer_engine`,
 `start_weight_update`, `update_weights`, `finish_weight_update`: methods of `vllm.LLM`, HTTP routes of `vllm serve`):
 - `init_weight_transfer_engine({"group": GroupInfo})`: the worker joins a group of its own with learner rank 0
   (`broadcast.WeightGroup`, gloo), as rank `group.rank` + its rank in the engine. The learner's trainer-side engine

@@ -8,7 +8,7 @@ trainer-side engine as a GPU deployment. It moves no tensors itself: the learner
 (`shm.ShmWeightTransport.publish`); the update names the file, and each worker maps it into its own address space
 (`safetensors_io.map_safetensors`) and hands views of it to vLLM. Both sides must be on the same host.
 
-Two halves, as in vLLM's `nccl_engine.py`:
+Two halves, as in vLLM's `vllm/distributed/weight_transfer/nccl_engine.py`:
 - worker side, `ShmWeightTransferEngine`, registered with `WeightTransferEngineFactory` when the worker imports
   our extension module (`generation/engine/vllm_worker_extension.py`, named by `worker_extension_cls`), which happens
   before the worker builds the engine. Start, receive and finish are vLLM's layerwise reload, exactly as in its

@@ -3,7 +3,7 @@
 Behaviour log-probs. The engine runs with `logprobs_mode="processed_logprobs"` and every request asks for
 `logprobs=0` (the sampled token only). vLLM 0.32's sampler then returns `log_softmax` of the logits it actually
 sampled from: after temperature, top-k and top-p (masked tokens at -inf, the rest renormalised), see
-`vllm/v1/sample/sampler.py` and `ops/topk_topp_sampler.py`. With the default "raw_logprobs" it would return the
+`vllm/v1/sample/sampler.py` and `vllm/v1/sample/ops/topk_topp_sampler.py`. With the default "raw_logprobs" it would return the
 model's untempered distribution instead, which is the wrong denominator for an importance ratio. At temperature
 0 (greedy) vLLM returns the raw `log_softmax(logits)`; transformers' greedy scores are the same thing.
 
@@ -116,7 +116,7 @@ class VLLMBackend:
 
         spec.check(speculative, num_speculative_tokens, "vllm", servers=False)
         if speculative == "auto":
-            raise ValueError("VLLMBackend(speculative='auto'): decide the method first (speculative_probe.py)")
+            raise ValueError("VLLMBackend(speculative='auto'): decide the method first (generation/pool/speculative_choice.py)")
         self.speculative = speculative
         self.device = device
         self._params = vllm_gloo_engine.state_dict_meta(model_path)
