@@ -141,9 +141,9 @@ class AsyncGroupRLConfig(AsyncPolicyGradientConfig):
                                                                              "task's: tasks/evaluation.py)."})
     shuffle_dataset: bool = field(default=True, metadata={"help": "TRL: no-op unless True; prompts are always drawn "
                                                                   "in a seeded permutation per epoch."})
-    pad_to_multiple_of: int | None = field(default="auto", metadata={"help": "TRL: 'auto' (TRL's default; None "
-                                                                             "off Neuron, as after TRL's checks); an "
-                                                                             "int is a no-op here."})
+    pad_to_multiple_of: int | None = field(default=None, metadata={"help": "TRL: 'auto' (its default) is None "
+                                                                          "off Neuron, as TRL holds it after its "
+                                                                          "checks; an int is a no-op here."})
     chat_template_kwargs: dict | str | None = field(default=None, metadata={"help": "TRL: no-op (the tokenizer's "
                                                                                    "chat template is applied as is)."})
     router_aux_loss_coef: float | None = field(default=None, metadata={"help": "TRL: no-op (no MoE aux loss)."})

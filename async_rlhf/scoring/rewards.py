@@ -154,12 +154,12 @@ class RewardScorer:
                                   f"{len(completions)} completions")
             clean = []
             for v, pid in zip(values, prompt_ids):
-                unscored = trl and not raised_now and (v is None or math.isnan(float(v)))  # TRL: None is NaN
-                bad = not unscored and (v is None or not math.isfinite(float(v)))
+                missing = trl and not raised_now and (v is None or math.isnan(float(v)))  # TRL: None is NaN
+                bad = not missing and (v is None or not math.isfinite(float(v)))
                 if bad and self.failure == "raise":
                     raise RewardError(f"reward function {name!r} returned {v!r} for prompt id {pid} "
                                       "(set reward_failure='skip' to drop such samples)")
-                clean.append(float("nan") if bad or unscored else float(v))
+                clean.append(float("nan") if bad or missing else float(v))
             per_func[name] = clean
             if trl:  # TRL: weighted scores summed ignoring NaN; raised ("skip") calls leave the sample out below
                 values_t = torch.tensor(clean)
@@ -171,6 +171,12 @@ class RewardScorer:
                 total += w * torch.tensor(clean)
         if trl:
             total[unscored] = float("nan")
+            if unscored.any():  # TRL's warning, with the first such row
+                i = int(unscored.nonzero()[0])
+                row = {k: v[i] for k, v in (columns or {}).items()}
+                row.update(prompt=func_prompts[i], completion=func_completions[i])
+                logger.warning("All reward functions returned None for the following kwargs:\n%s\nPlease ensure that "
+                               "at least one reward function returns a valid reward.", row)
         if self.missing_eos_penalty is not None:
             total -= self.missing_eos_penalty * (~torch.tensor(finished)).float()
         self.skipped += int(torch.isnan(total).sum())

@@ -1,120 +1,297 @@
-"""Compatibility cases written from TRL 1.16's GRPO trainer tests (tests/test_grpo_trainer.py upstream): each case
-trains TRL's `GRPOTrainer` (the control) and our `AsyncGRPOTrainer` with the same TRL config fields and checks what
-TRL's test checks: the run ends with a `train_loss` and every parameter of the policy moved.
+"""TRL 1.16's GRPO trainer tests (huggingface/trl tests/test_grpo_trainer.py), rewritten with local tiny models, each
+run against TRL's `GRPOTrainer` (the control) and our `AsyncGRPOTrainer` with the same TRL fields: a TRL script
+switched by one import. A case passes for both or the drop-in is broken.
 
-Upstream uses hub models (tiny Qwen2 policy, tiny reward model) and the `trl-internal-testing/zen` prompts; here
-the policy is the local tiny Llama with the char tokenizer (`tiny_model_dir`), the prompts `toy_prompts` and the
-reward a function (no hub). What our trainer is given on top of TRL's fields, and why:
-- `per_device_train_batch_size` counts prompts here, completions in TRL's GRPO: ours gets TRL's value divided by
-  `num_generations` (the same completions per micro-batch);
-- `max_length` (prompt + completion, TRL has no such field; our default 512 exceeds the tiny model's 256
-  positions), `generator_backend="transformers"` (starts in seconds on CPU) and short timeouts.
-Two cheap cases run in the default tier, the rest are `slow`. Every case trains, so the file is marked `integration`
-(`-m "not integration"` stays the unit tier).
+Upstream uses hub models (tiny Qwen2 policy, tiny sequence-classification reward models) and the
+`trl-internal-testing/zen` prompts; here the tiny Llama policy and reward model of `compat_dirs` (conftest.py) and
+the zen prompts built locally, in TRL's two formats. Every case sets `max_steps` (upstream trains the whole 17-row
+set), `bf16=False` (CPU) and, for ours, short timeouts (`OURS`): nothing else differs between the two calls.
+Not rewritten: vLLM, PEFT, Liger, vision-language, tools / environments, entropy masking and bonus, the reference
+sync and the 'vespo' loss (our config accepts their fields and names them in one warning; tested below), iterable
+datasets and evaluation during training.
+
+Default tier: one training per class checking several of upstream's cases at once (conversational prompts and
+message-list arguments, a reward model with its own chat template, a function reading an extra column,
+`trainer_state` and `log_metric`, a function returning None, reward weights and the logged reward, beta > 0, TRL's
+metric names), the construction and config cases, and ours' refusals. The cases upstream has one by one (text
+prompts with a reward model by path, loss types, reward scaling, clipping, masking, ...) train in the `slow` tier. The file is marked
+`integration` (`-m "not integration"` stays the unit tier).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 
 import pytest
 import torch
 
-from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
-
 pytestmark = pytest.mark.integration
 
 IMPLS = ["trl", "ours"]
-COMMON = dict(learning_rate=0.1, per_device_train_batch_size=3, num_generations=3, max_completion_length=8,
-              max_steps=2, report_to="none", seed=0)
-OURS_ONLY = dict(max_length=64, generator_backend="transformers", disable_tqdm=True, generator_start_timeout=120,
-                 rollout_timeout=120)
+# upstream's fields ("reduce ... to reduce memory usage"), max_steps and CPU float32 on top
+TRL_FIELDS = dict(learning_rate=0.1, per_device_train_batch_size=3, num_generations=3, max_completion_length=8,
+                  report_to="none", max_steps=2, bf16=False, logging_steps=1, seed=0)
+OURS = dict(disable_tqdm=True, generator_start_timeout=120, rollout_timeout=120)  # ours only: fail fast if stuck
+# what TRL 1.16's GRPOTrainer logs every step with beta != 0 and a clipping loss type (besides reward names)
+TRL_METRICS = {"num_tokens", "completions/mean_length", "completions/min_length", "completions/max_length",
+               "completions/clipped_ratio", "completions/mean_terminated_length",
+               "completions/min_terminated_length", "completions/max_terminated_length", "reward", "reward_std",
+               "frac_reward_zero_std", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/low_min",
+               "clip_ratio/high_mean", "clip_ratio/high_max", "clip_ratio/region_mean"}
 
 
-def length_reward(prompts, completions, **kwargs) -> list[float]:
-    return [len(c) / 8.0 for c in completions]
-
-
-def column_reward(prompts, completions, some_values, **kwargs) -> list[float]:
-    """Reads a dataset column, as upstream's test_training_with_additional_columns."""
-    return [float(v) * sum(ch in "aeiou" for ch in c) for v, c in zip(some_values, completions)]
-
-
-def _dataset(extra_column: bool = False):
-    data = toy_prompts(24)
-    if extra_column:
-        data = data.add_column("some_values", [(i % 3) + 1 for i in range(len(data))])
-    return data
-
-
-# case name -> (config fields for both trainers, reward_funcs, dataset uses an extra column, parameters must move)
-CASES = {
-    "training": ({}, lowercase_reward, False, True),
-    "beta_non_zero": ({"beta": 0.1}, lowercase_reward, False, True),
-    **{f"loss_type_{t}": ({"loss_type": t, "gradient_accumulation_steps": 2}, lowercase_reward, False, True)
-       for t in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")},
-    "multiple_reward_funcs_with_weights": ({"reward_weights": [0.7, 0.3]}, [lowercase_reward, length_reward],
-                                           False, True),
-    "additional_columns": ({}, column_reward, True, True),
-    "scale_rewards_batch": ({"scale_rewards": "batch"}, lowercase_reward, False, True),
-    "scale_rewards_false": ({"scale_rewards": False}, lowercase_reward, False, True),
-    "delta_clipping": ({"delta": 2.0}, lowercase_reward, False, True),
-    "epsilon_high": ({"epsilon_high": 0.28}, lowercase_reward, False, True),
-    "sequence_importance_sampling": ({"importance_sampling_level": "sequence", "loss_type": "grpo"},
-                                     lowercase_reward, False, True),
-    # the tiny random policy rarely ends before 8 tokens, so most completions are masked: only the run is checked
-    "mask_truncated_completions": ({"mask_truncated_completions": True}, lowercase_reward, False, False),
-}
-CHEAP = {"training", "beta_non_zero"}
-
-
-def _train(impl: str, fields: dict, reward_funcs, dataset, model_dir: str, output_dir: str):
-    fields = {**COMMON, **fields, "output_dir": output_dir}
+def _classes(impl: str):
     if impl == "trl":
         from trl import GRPOConfig, GRPOTrainer
-
-        args = GRPOConfig(**fields, bf16=False)
-        trainer = GRPOTrainer(model=model_dir, reward_funcs=reward_funcs, args=args, train_dataset=dataset)
     else:
-        from async_rlhf import AsyncGRPOConfig, AsyncGRPOTrainer
+        from async_rlhf import AsyncGRPOConfig as GRPOConfig
+        from async_rlhf import AsyncGRPOTrainer as GRPOTrainer
+    return GRPOConfig, GRPOTrainer
 
-        args = AsyncGRPOConfig(**fields, **OURS_ONLY)
-        trainer = AsyncGRPOTrainer(model=model_dir, reward_funcs=reward_funcs, args=args, train_dataset=dataset)
-    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+def _trainer(impl: str, tmp_path, fields: dict, **kwargs):
+    GRPOConfig, GRPOTrainer = _classes(impl)
+    extra = OURS if impl == "ours" else {}
+    args = GRPOConfig(output_dir=str(tmp_path), **{**TRL_FIELDS, **fields}, **extra)
+    return GRPOTrainer(args=args, **kwargs)
+
+
+def _train_and_check(trainer, params_move: bool = True) -> list[dict]:
+    """Upstream's checks: the run ends with its `train_loss`, and every parameter moved. Returns the step logs."""
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     trainer.train()
-    return trainer, before
+    assert trainer.state.log_history[-1]["train_loss"] is not None
+    if params_move:
+        for name, p in trainer.model.named_parameters():
+            if name in before:
+                assert not torch.equal(p.detach(), before[name]), f"parameter {name} has not changed"
+    return [entry for entry in trainer.state.log_history if "train_loss" not in entry]
+
+
+# ---- reward functions of upstream's cases ---------------------------------------------------------------------------
+def column_reward(prompts, completions, some_values, trainer_state=None, log_metric=None, **kwargs):
+    """Upstream's additional column, trainer_state, log_metric and conversational reward functions in one:
+    conversational prompts and completions arrive as message lists."""
+    assert trainer_state is not None and hasattr(trainer_state, "global_step")
+    assert all(isinstance(p, list) and p[-1]["role"] == "user" for p in prompts)
+    assert all(c[0]["role"] == "assistant" for c in completions)
+    log_metric("custom_accuracy", 0.75)
+    return [float(v) * len(c[0]["content"]) for v, c in zip(some_values, completions)]
+
+
+def text_reward(prompts, completions, some_values, **kwargs):
+    """Standard data: prompts and completions are text, columns by name."""
+    assert all(isinstance(p, str) for p in prompts) and all(isinstance(c, str) for c in completions)
+    return [float(v) * len(c) for v, c in zip(some_values, completions)]
+
+
+def none_reward(completions, **kwargs):
+    """test_train_multiple_reward_funcs_with_None_output: a function that applies to no sample."""
+    return [None] * len(completions)
+
+
+def length_reward(completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+
+def _standard(zen_prompts):
+    data = zen_prompts("standard_prompt_only")
+    return data.add_column("some_values", [float(i % 3 + 1) for i in range(len(data))])
+
+
+# ---- default tier: one training per class ---------------------------------------------------------------------------
+@pytest.mark.parametrize("impl", IMPLS)
+def test_train_conversational_reward_model_columns_state_none_weights_beta_and_metric_names(impl, compat_dirs, models,
+                                                                                             zen_prompts, tmp_path):
+    """Upstream's test_train_reward_func_conversational (message-list arguments), test_train_different_reward_model
+    (a reward model with its own tokenizer and chat template), ..._reward_func_additional_column,
+    ..._with_reward_func_accessing_trainer_state, ..._reward_func_with_log_metric,
+    ..._multiple_reward_funcs_with_None_output, test_reward_metric_reflects_reward_weights (the logged `reward` is
+    the weighted sum; None adds nothing) and test_train_beta_non_zero, with TRL's metric names, in one run."""
+    data = zen_prompts("conversational_prompt_only")
+    data = data.add_column("some_values", [float(i % 3 + 1) for i in range(len(data))])
+    trainer = _trainer(impl, tmp_path, {"reward_weights": [0.7, 0.3, 1.0], "beta": 0.1}, model=compat_dirs["policy"],
+                       reward_funcs=[models.reward_model, column_reward, none_reward],
+                       reward_processing_classes=[models.reward_tokenizer, None, None], train_dataset=data)
+    steps = _train_and_check(trainer)
+    assert trainer.ref_model is not None and trainer.beta == 0.1
+    names = trainer.reward_func_names
+    assert names == ["reward", "column_reward", "none_reward"]
+    logged = set().union(*steps)
+    missing = TRL_METRICS - logged
+    assert not missing, f"{impl}: {sorted(missing)} not logged"
+    for name in names:
+        assert {f"rewards/{name}/mean", f"rewards/{name}/std"} <= logged
+    assert "custom_accuracy" in logged
+    last = steps[-1]
+    weighted = 0.7 * last["rewards/reward/mean"] + 0.3 * last["rewards/column_reward/mean"]
+    assert math.isclose(last["reward"], weighted, rel_tol=1e-4, abs_tol=1e-4), (impl, last["reward"], weighted)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", IMPLS)
+def test_train_standard_reward_model_by_path(impl, compat_dirs, zen_prompts, tmp_path):
+    """Upstream's test_train: text prompts, a reward model given by its path; functions get text."""
+    trainer = _trainer(impl, tmp_path, {}, model=compat_dirs["policy"],
+                       reward_funcs=[compat_dirs["reward"], text_reward], train_dataset=_standard(zen_prompts))
+    _train_and_check(trainer)
+
+
+# ---- default tier: construction, config and refusal cases (no training) --------------------------------------------
+@pytest.mark.parametrize("impl", IMPLS)
+def test_mismatched_reward_processing_classes_length(impl, compat_dirs, zen_prompts, models, tmp_path):
+    """One tokenizer given for two reward models is a ValueError; one for one reward model is kept in a list."""
+    with pytest.raises(ValueError, match="must match"):
+        _trainer(impl, tmp_path, {}, model=compat_dirs["policy"], reward_funcs=[compat_dirs["reward"]] * 2,
+                 reward_processing_classes=models.reward_tokenizer, train_dataset=zen_prompts("standard_prompt_only"))
+    trainer = _trainer(impl, tmp_path, {}, model=compat_dirs["policy"], reward_funcs=compat_dirs["reward"],
+                       reward_processing_classes=models.reward_tokenizer,
+                       train_dataset=zen_prompts("standard_prompt_only"))
+    assert len(trainer.reward_processing_classes) == 1
+    assert trainer.reward_processing_classes[0] == models.reward_tokenizer
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("case", [c if c in CHEAP else pytest.param(c, marks=pytest.mark.slow) for c in CASES])
-def test_grpo_case(case, impl, tiny_model_dir, tmp_path):
-    fields, reward_funcs, extra_column, must_move = CASES[case]
-    trainer, before = _train(impl, fields, reward_funcs, _dataset(extra_column), tiny_model_dir, str(tmp_path))
-    train_loss = trainer.state.log_history[-1]["train_loss"]
-    assert train_loss is not None and math.isfinite(train_loss)
-    if must_move:
-        for name, param in trainer.model.named_parameters():
-            assert not torch.equal(param.detach(), before[name]), f"{impl}: parameter {name} has not changed"
+def test_batch_semantics_and_trls_config_errors(impl, tmp_path):
+    """Batch sizes count completions: generation_batch_size derives from them and must hold whole prompt groups,
+    with TRL's messages."""
+    GRPOConfig, _ = _classes(impl)
+    config = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=8,
+                        gradient_accumulation_steps=2, bf16=False)
+    assert (config.generation_batch_size, config.steps_per_generation) == (16, 2)
+    config = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
+                        generation_batch_size=12, bf16=False)
+    assert config.steps_per_generation == 3
+    for fields, message in [
+            ({"per_device_train_batch_size": 3, "num_generations": 2},
+             r"generation_batch_size \(3\) must be divisible by num_generations \(2\)"),
+            ({"per_device_train_batch_size": 8, "generation_batch_size": 12},
+             r"generation_batch_size \(12\) must be divisible by the global batch size \(8\)"),
+            ({"generation_batch_size": 16, "steps_per_generation": 2}, "can not be both configured"),
+            ({"num_generations": 1, "per_device_train_batch_size": 2}, "requires at least 2 generations"),
+            ({"auto_find_batch_size": True}, "auto_find_batch_size is not supported by GRPO"),
+            ({"log_completions_hub_repo": "me/x"}, "log_completions_hub_repo is set, but log_completions is False"),
+            ({"vllm_importance_sampling_clip_min": 3.0}, "must be less than vllm_importance_sampling_clip_max")]:
+        with pytest.raises(ValueError, match=message):
+            GRPOConfig(output_dir=str(tmp_path), bf16=False, **fields)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_public_attributes_after_construction(impl, tiny_model_dir, tmp_path):
+def test_trls_defaults(impl, tmp_path):
+    GRPOConfig, _ = _classes(impl)
+    c = GRPOConfig(output_dir=str(tmp_path), bf16=False)
+    assert (c.max_completion_length, c.num_generations, c.beta, c.loss_type, c.scale_rewards) == (512, 8, 0.0,
+                                                                                                  "dapo", "group")
+    assert (c.learning_rate, c.temperature, c.epsilon, c.epsilon_high, c.num_iterations) == (1e-6, 1.0, 0.2, None, 1)
+    assert (c.importance_sampling_level, c.multi_objective_aggregation) == ("token", "sum_then_normalize")
+    assert (c.mask_truncated_completions, c.use_bias_correction_kl, c.pad_to_multiple_of) == (False, True, None)
+    assert (c.generation_batch_size, c.steps_per_generation) == (8, 1)
+
+
+def test_every_trl_config_field_is_accepted_and_no_ops_are_named_once(tmp_path, caplog):
+    """Every field of TRL's GRPOConfig is a field of ours; those with nothing to act on here, set to anything but
+    TRL's default, are named in one warning (config/trl_fields.py)."""
+    from trl import GRPOConfig
+
+    from async_rlhf import AsyncGRPOConfig
+
+    assert not {f.name for f in dataclasses.fields(GRPOConfig)} - {f.name for f in dataclasses.fields(AsyncGRPOConfig)}
+    no_ops = dict(shuffle_dataset=False, log_completions=True, num_completions_to_print=2, sync_ref_model=True,
+                  entropy_coef=0.01, top_entropy_quantile=0.5, cast_lm_head_to_fp32=True, num_generations_eval=4,
+                  chat_template_kwargs={"enable_thinking": False}, vllm_importance_sampling_correction=False,
+                  off_policy_mask_threshold=0.5, use_transformers_continuous_batching=True, vespo_k_pos=1.0)
+    with caplog.at_level(logging.WARNING, logger="async_rlhf.config.trl_fields"):
+        config = AsyncGRPOConfig(output_dir=str(tmp_path), vllm_max_model_length=256, **no_ops)
+    lines = [r.getMessage() for r in caplog.records if r.name == "async_rlhf.config.trl_fields"]
+    assert len(lines) == 1, lines
+    for name in no_ops:
+        assert name in lines[0]
+    assert config.vllm_max_model_len == 256  # mapped, not a no-op
+    assert "vllm_max_model_length" not in lines[0]
+
+
+def test_ours_steps_per_generation_is_num_mini_batches_and_whole_groups_per_micro_batch(tmp_path):
+    """Ours only. TRL's steps_per_generation = 2 x gradient_accumulation_steps trains two steps on one policy's
+    completions: num_mini_batches 2 here. A micro-batch here holds whole prompt groups: upstream's
+    test_train_num_generations_larger_than_batch_size (3 completions a micro-batch, groups of 6) is refused with
+    the fix in the message."""
+    from async_rlhf import AsyncGRPOConfig
+    from async_rlhf.errors import ConfigError
+
+    c = AsyncGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                        steps_per_generation=2)
+    assert (c.num_mini_batches, c.sync_every, c.max_staleness, c.prompts_per_step) == (2, 2, 1, 1)
+    with pytest.raises(ConfigError, match="per_device_train_batch_size: 3 completions is not a multiple of "
+                                          r"num_generations \(6\)"):
+        AsyncGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=3, num_generations=6,
+                        gradient_accumulation_steps=2)
+    with pytest.raises(ConfigError, match="max_completion_length: 8 and max_new_tokens: 9"):
+        AsyncGRPOConfig(output_dir=str(tmp_path), max_completion_length=8, max_new_tokens=9)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_public_attributes_after_construction(impl, compat_dirs, zen_prompts, tmp_path):
     """The attributes TRL users read after construction, on both classes (no training)."""
-    fields = {**COMMON, "output_dir": str(tmp_path), "reward_weights": [2.0, 1.0], "beta": 0.0}
-    funcs = [lowercase_reward, length_reward]
-    if impl == "trl":
-        from trl import GRPOConfig, GRPOTrainer
-
-        trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=funcs, args=GRPOConfig(**fields, bf16=False),
-                              train_dataset=_dataset())
-    else:
-        from async_rlhf import AsyncGRPOConfig, AsyncGRPOTrainer
-
-        args = AsyncGRPOConfig(**fields, **OURS_ONLY)
-        trainer = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=funcs, args=args, train_dataset=_dataset())
-    assert trainer.reward_funcs == funcs
+    funcs = [length_reward, none_reward]
+    trainer = _trainer(impl, tmp_path, {"reward_weights": [2.0, 1.0]}, model=compat_dirs["policy"],
+                       reward_funcs=funcs, train_dataset=zen_prompts("standard_prompt_only"))
+    assert trainer.reward_funcs == funcs and trainer.reward_func_names == ["length_reward", "none_reward"]
     assert trainer.reward_weights.tolist() == [2.0, 1.0]
-    assert trainer.num_generations == 3 and trainer.beta == 0.0
+    assert trainer.num_generations == 3 and trainer.beta == 0.0 and trainer.num_iterations == 1
     assert trainer.loss_type == "dapo" and trainer.scale_rewards == "group"
     assert (trainer.epsilon_low, trainer.epsilon_high) == (0.2, 0.2)
-    assert trainer.max_completion_length == 8
+    assert trainer.max_completion_length == 8 and trainer.mask_truncated_completions is False
+
+
+# ---- slow tier: upstream's one-option training cases ---------------------------------------------------------------
+CASES = {
+    **{f"loss_type_{t}": {"loss_type": t} for t in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")},
+    "scale_rewards_batch": {"scale_rewards": "batch"},
+    "scale_rewards_none": {"scale_rewards": "none"},
+    "scale_rewards_false": {"scale_rewards": False},
+    "delta_clipping": {"delta": 2.0},
+    "epsilon_high": {"epsilon_high": 0.28},
+    "sequence_importance_sampling": {"importance_sampling_level": "sequence", "loss_type": "grpo"},
+    "bias_correction_kl_off": {"beta": 0.1, "use_bias_correction_kl": False},
+    "gradient_accumulation": {"per_device_train_batch_size": 6, "gradient_accumulation_steps": 2},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_train_one_option(case, impl, compat_dirs, zen_prompts, tmp_path):
+    trainer = _trainer(impl, tmp_path, CASES[case], model=compat_dirs["policy"], reward_funcs=length_reward,
+                       train_dataset=zen_prompts("standard_prompt_only"))
+    _train_and_check(trainer)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", IMPLS)
+def test_train_with_mask_truncated_completions(impl, compat_dirs, zen_prompts, tmp_path):
+    """Upstream mocks generation so that some completions end; the tiny random policy rarely ends within 8 tokens,
+    so most completions are masked here and only the run is checked."""
+    trainer = _trainer(impl, tmp_path, {"mask_truncated_completions": True}, model=compat_dirs["policy"],
+                       reward_funcs=length_reward, train_dataset=zen_prompts("standard_prompt_only"))
+    _train_and_check(trainer, params_move=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", IMPLS)
+def test_warning_raised_all_rewards_none(impl, compat_dirs, zen_prompts, tmp_path, caplog):
+    trainer = _trainer(impl, tmp_path, {}, model=compat_dirs["policy"], reward_funcs=none_reward,
+                       train_dataset=zen_prompts("standard_prompt_only"))
+    with caplog.at_level(logging.WARNING):
+        trainer.train()
+    assert "All reward functions returned None for the following kwargs:" in caplog.text
+
+
+@pytest.mark.slow
+def test_trl_trains_more_generations_than_a_micro_batch_holds(compat_dirs, zen_prompts, tmp_path):
+    """The control of ours' refusal above: TRL's test_train_num_generations_larger_than_batch_size."""
+    trainer = _trainer("trl", tmp_path, {"num_generations": 6, "gradient_accumulation_steps": 2},
+                       model=compat_dirs["policy"], reward_funcs=length_reward,
+                       train_dataset=zen_prompts("standard_prompt_only"))
+    _train_and_check(trainer)

@@ -59,13 +59,14 @@ def train_and_check(args) -> None:
 
     trainer_cls, config_cls, extra = {
         "online_dpo": (AsyncOnlineDPOTrainer, AsyncOnlineDPOConfig, {"beta": 0.1}),
-        "rloo": (AsyncRLOOTrainer, AsyncRLOOConfig, {"off_policy_correction": "tis"}),
+        "rloo": (AsyncRLOOTrainer, AsyncRLOOConfig, {"off_policy_correction": "tis", "per_device_train_batch_size": 4}),
     }[args.algorithm]
-    config = config_cls(output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=2,
+    config = config_cls(**{"output_dir": args.output_dir, "max_steps": args.steps, "per_device_train_batch_size": 2,
+                           **extra},  # RLOO counts completions (TRL): 2 prompts x 2
                         num_generations=2, max_new_tokens=8, max_length=48, learning_rate=1e-2,
                         lr_scheduler_type="constant", temperature=1.0, max_staleness=1, disable_tqdm=True, seed=1,
                         generator_backend="vllm", rollout_timeout=300, report_to="none",
-                        weight_transport=args.weight_transport, **extra)
+                        weight_transport=args.weight_transport)
     model_dir = os.path.join(args.output_dir, "init_model")
     with config.main_process_first(desc="tiny model"):
         if not os.path.isfile(os.path.join(model_dir, "config.json")):

@@ -16,7 +16,7 @@ def _run(tmp_path, tiny_model_dir, tiny_run_config, fused: bool, rloo: bool):
     # max_staleness 1: batches 0 and 1 are both sampled by the initial policy, so both runs train on the same samples
     fields = dict(max_steps=2, logging_steps=1, max_staleness=1, seed=3, reference_while_generating=fused)
     if rloo:  # a policy-gradient learner: reference at the sampling temperature, every row
-        config = AsyncRLOOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2,
+        config = AsyncRLOOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
                                  max_new_tokens=6, max_length=48, learning_rate=5e-3, lr_scheduler_type="constant",
                                  generator_backend="transformers", disable_tqdm=True, rollout_timeout=120,
                                  temperature=0.8, **fields)

@@ -28,7 +28,7 @@ def digit_reward(prompts, completions, **kwargs) -> list[float]:
 
 def test_grpo_on_gsm8k_fixture_end_to_end(tmp_path, tiny_model_dir):
     rows = load_prompt_dataset(GSM8K, data_files=FIXTURE)
-    config = AsyncGRPOConfig(output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=2,
+    config = AsyncGRPOConfig(output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=8,
                              num_generations=4, max_completion_length=8, max_length=160, learning_rate=1e-2,
                              lr_scheduler_type="constant", max_staleness=1, generator_backend="transformers",
                              off_policy_correction="tis", beta=0.04, reward_weights=[1.0, 0.5], seed=5,
@@ -57,7 +57,7 @@ def _trainer_and_groups(tmp_path, model_dir, texts, **fields):
     """A GRPO trainer on the GSM8k fixture (no generator started) and one scored group per prompt holding the
     completions `texts[prompt]`, with behaviour log-probs equal to the model's own (on-policy)."""
     rows = load_prompt_dataset(GSM8K, data_files=FIXTURE)
-    config = AsyncGRPOConfig(**{"output_dir": str(tmp_path), "per_device_train_batch_size": 2, "num_generations": 2,
+    config = AsyncGRPOConfig(**{"output_dir": str(tmp_path), "per_device_train_batch_size": 4, "num_generations": 2,
                                 "max_completion_length": 16, "max_length": 160,
                                 "generator_backend": "transformers", **fields})
     trainer = AsyncGRPOTrainer(model=model_dir, reward_funcs=gsm8k_reward, args=config, train_dataset=rows)
@@ -114,7 +114,7 @@ def test_dapo_weighs_every_token_of_the_step_alike_across_micro_batches(tmp_path
         whole, groups = _trainer_and_groups(tmp_path / f"{loss_type}-1", tiny_model_dir, texts, loss_type=loss_type)
         one = whole.compute_rollout_loss(whole.model, groups)[0].item()
         split, groups = _trainer_and_groups(tmp_path / f"{loss_type}-2", tiny_model_dir, texts, loss_type=loss_type,
-                                            per_device_train_batch_size=1, gradient_accumulation_steps=2)
+                                            per_device_train_batch_size=2, gradient_accumulation_steps=2)
         two = sum(split.compute_rollout_loss(split.model, [g])[0].item() for g in groups) / 2
         assert (abs(one - two) < 1e-6) == equal, (loss_type, one, two)
 
@@ -130,7 +130,7 @@ def test_recipe_hub_task_gsm8k_from_local_file(tmp_path, tiny_model_dir):
     spec.loader.exec_module(recipe)
     trainer = recipe.main(["--task", "hub", "--model_name_or_path", tiny_model_dir, "--dataset_name", GSM8K,
                            "--dataset_data_files", FIXTURE, "--hub_reward", "gsm8k", "--output_dir", str(tmp_path),
-                           "--max_steps", "2", "--per_device_train_batch_size", "2", "--num_generations", "2",
+                           "--max_steps", "2", "--per_device_train_batch_size", "4", "--num_generations", "2",
                            "--max_completion_length", "6", "--max_length", "160", "--generator_backend",
                            "transformers", "--disable_tqdm", "true", "--rollout_timeout", "120"])
     assert trainer.reward_funcs == [gsm8k_reward] and trainer.state.global_step == 2

@@ -53,6 +53,8 @@ def test_lora_trains_only_adapters_and_generators_get_the_merged_policy(algorith
               if k in ("max_steps", "per_device_train_batch_size", "num_generations", "max_new_tokens",
                        "max_length", "learning_rate", "lr_scheduler_type", "generator_backend", "disable_tqdm",
                        "generator_start_timeout", "rollout_timeout")}
+    if config_cls is AsyncRLOOConfig:  # RLOO counts completions (TRL): the same prompts per step
+        fields["per_device_train_batch_size"] *= fields["num_generations"]
     config = config_cls(**{**fields, "output_dir": str(tmp_path / "out"), "max_steps": 4, "max_staleness": 0,
                            "temperature": 1.0, "seed": 3, "report_to": "none"})
     trainer = trainer_cls(model=tiny_model_dir, reward_funcs=lowercase_reward, args=config,

@@ -22,7 +22,7 @@ from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
 
 STEPS = 5
 LEARNERS = {
-    "rloo": (AsyncRLOOTrainer, AsyncRLOOConfig, {"off_policy_correction": "tis"}),
+    "rloo": (AsyncRLOOTrainer, AsyncRLOOConfig, {"off_policy_correction": "tis", "per_device_train_batch_size": 8}),
     "ppo": (AsyncPPOTrainer, AsyncPPOConfig, {"off_policy_correction": "decoupled"}),
     "best_of_2": (AsyncBestOfNTrainer, AsyncBestOfNConfig, {}),
 }
@@ -34,10 +34,11 @@ VLLM_RUN = ("rloo", 2)
 def _train(tmp_path_factory, tiny_model_dir, name: str, staleness: int):
     trainer_cls, config_cls, extra = LEARNERS[name]
     d = tmp_path_factory.mktemp(f"{name}-{staleness}")
-    config = config_cls(output_dir=str(d), max_steps=STEPS, per_device_train_batch_size=4,
+    config = config_cls(output_dir=str(d), max_steps=STEPS,
                         max_new_tokens=10, max_length=48, learning_rate=1e-2, lr_scheduler_type="constant",
                         max_staleness=staleness, disable_tqdm=True, seed=3, rollout_timeout=300,
-                        generator_backend="vllm" if (name, staleness) == VLLM_RUN else "transformers", **extra)
+                        generator_backend="vllm" if (name, staleness) == VLLM_RUN else "transformers",
+                        **{"per_device_train_batch_size": 4, **extra})  # RLOO counts completions: 4 prompts x 2
     trainer = trainer_cls(model=tiny_model_dir, reward_funcs=lowercase_reward, args=config,
                           train_dataset=toy_prompts(64))
     trainer.train()

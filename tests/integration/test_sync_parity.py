@@ -56,9 +56,10 @@ TOLERANCE = 2e-6
 SHIFT_MARGIN = 50 * TOLERANCE
 ALGORITHMS = {
     "online_dpo": (AsyncOnlineDPOTrainer, AsyncOnlineDPOConfig, {}),
-    "rloo": (AsyncRLOOTrainer, AsyncRLOOConfig, {}),
+    "rloo": (AsyncRLOOTrainer, AsyncRLOOConfig, {"per_device_train_batch_size": 4}),  # completions: 2 x 2
     "ppo": (AsyncPPOTrainer, AsyncPPOConfig, {"num_generations": 1}),
-    "grpo": (AsyncGRPOTrainer, AsyncGRPOConfig, {"beta": 0.04}),  # beta > 0: the reference is in the loss
+    "grpo": (AsyncGRPOTrainer, AsyncGRPOConfig, {"beta": 0.04, "per_device_train_batch_size": 4}),  # beta > 0: the
+    # reference is in the loss; GRPO counts completions (2 prompts x 2)
 }
 
 

@@ -249,7 +249,8 @@ def test_config_mapping_and_validation(tmp_path):
     assert AsyncGRPOConfig(output_dir=str(tmp_path), scale_rewards="False").scale_rewards == "none"  # a flag's text
     for bad, field in [({"loss_type": "ppo"}, "loss_type"), ({"scale_rewards": "global"}, "scale_rewards"),
                        ({"num_iterations": 2}, "num_iterations"), ({"delta": 0.5}, "delta"),
-                       ({"importance_sampling_level": "batch"}, "importance_sampling_level"),
-                       ({"num_generations": 1}, "num_generations")]:
+                       ({"importance_sampling_level": "batch"}, "importance_sampling_level")]:
         with pytest.raises(ConfigError, match=f"^{field}:"):
             AsyncGRPOConfig(output_dir=str(tmp_path), **bad)
+    with pytest.raises(ConfigError, match="^GRPO requires at least 2 generations per prompt"):  # TRL's message
+        AsyncGRPOConfig(output_dir=str(tmp_path), num_generations=1)
