@@ -8,8 +8,10 @@
 The last one trains on GSM8k with the verifiable exact-match reward on the '#### <number>' answer
 (`data/loaders.gsm8k_reward`); `--dataset_data_files train.jsonl` reads a local copy instead of the hub.
 
-Launched and configured exactly like recipes/online_dpo.py (same task flags, same asynchronous fields); GRPO's own
-fields (loss_type, scale_rewards, epsilon_high, ...) are TRL's GRPOConfig names (async_rlhf/config/algorithms.py).
+Launched and configured exactly like recipes/online_dpo.py (same task flags, same asynchronous fields); as in
+TRL's GRPOConfig, `--per_device_train_batch_size` counts completions (num_generations per prompt), not prompts.
+GRPO's own fields (loss_type, scale_rewards, epsilon_high, ...) are TRL's GRPOConfig names
+(async_rlhf/config/algorithms.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@
     python recipes/rloo.py --max_staleness 0 --output_dir outputs/rloo_sync
     python recipes/rloo.py --task toy --max_steps 8 --output_dir /tmp/rloo  # a seconds-scale smoke run
 
-Launched and configured exactly like recipes/online_dpo.py (same task flags, same asynchronous fields).
+Launched and configured exactly like recipes/online_dpo.py (same task flags, same asynchronous fields); as in
+TRL's RLOOConfig, `--per_device_train_batch_size` counts completions (num_generations per prompt), not prompts.
 """
 
 from __future__ import annotations

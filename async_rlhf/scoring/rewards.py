@@ -122,6 +122,8 @@ class RewardScorer:
         total = torch.zeros(len(completions))
         trl = self.trl_arguments and raw_prompts is not None
         if trl:
+            # TRL passes every column but these (a prompt-completion dataset's demonstrations stay out)
+            columns = {k: v for k, v in (columns or {}).items() if k not in ("completion", "completion_ids")}
             conversational = isinstance(raw_prompts[0], list)
             func_prompts = raw_prompts
             func_completions = [[{"role": "assistant", "content": c}] for c in completions] if conversational \
