@@ -1,7 +1,8 @@
 """Configuration: transformers' `TrainingArguments` plus the asynchronous fields, declared once here.
 
 `AsyncRLConfig` holds what every asynchronous learner shares (staleness, generators, weight sync, sampling,
-rewards); `config/algorithms.py` adds each learner's own fields (online DPO, RLOO, PPO, best-of-n) with TRL 1.16's
+rewards); the optional schedules' fields are declared with their checks in `config/experimental.py` and mixed in;
+`config/algorithms.py` adds each learner's own fields (online DPO, RLOO, PPO, GRPO, best-of-n) with TRL 1.16's
 names. Every field is validated in
 `__post_init__`, before any model loads, with a message naming the field: first the type (and finiteness) of
 every field we declare (`config/checks.py`), then ranges and relations.
@@ -21,13 +22,12 @@ from async_rlhf.config.checks import (
     check_dir,
     check_elastic,
     check_generator_servers,
-    check_speculative,
-    check_staleness_bound,
     check_types,
     check_weight_transport,
     choose_transport,
     comma_list,
 )
+from async_rlhf.config.experimental import ExperimentalFields
 from async_rlhf.config.trl_fields import apply_trl_fields
 from async_rlhf.errors import ConfigError
 
@@ -51,7 +51,7 @@ def _require(condition: bool, field_name: str, message: str) -> None:
 
 
 @dataclass
-class AsyncRLConfig(TrainingArguments):
+class AsyncRLConfig(ExperimentalFields, TrainingArguments):
     # ---- staleness: how off-policy training may be ----------------------------------------------------------
     max_staleness: int = field(
         default=1,
@@ -63,23 +63,6 @@ class AsyncRLConfig(TrainingArguments):
             "a batch is only sent to a generator whose weights already satisfy the bound; anything that still "
             "arrives too stale (e.g. after a resume) is dropped, counted and regenerated."
         },
-    )
-    staleness_bound: str = field(
-        default="oldest",
-        metadata={
-            "help": "Which token of a sample max_staleness bounds. 'oldest' (default; every shipped system's rule): "
-            "every token of a sample trained at step v was sampled by a policy of version >= v - max_staleness. "
-            "'newest': its newest token was, while its oldest token is only held to v - max_oldest_staleness: a "
-            "sample may have started earlier if it kept generating on fresh weights (each token keeps the version "
-            "and behaviour log-prob it was sampled with, so per-token corrections stay exact). Needs "
-            "partial_rollouts >= 1 (groups not tied to a step, weights loaded in flight). Throughput and quality "
-            "of the two rules: README, staleness."
-        },
-    )
-    max_oldest_staleness: int | None = field(
-        default=None,
-        metadata={"help": "With staleness_bound 'newest': the cap on a trained sample's oldest token, "
-                  ">= max_staleness (None: 2 x max_staleness). Not used with 'oldest' (the cap is max_staleness)."},
     )
     num_mini_batches: int | None = field(
         default=None,
@@ -119,32 +102,6 @@ class AsyncRLConfig(TrainingArguments):
                   "version and behaviour log-prob it was sampled with, and the staleness bound applies to the "
                   "oldest token)."},
     )
-    speculative: str = field(
-        default="off",
-        metadata={"help": "Speculative decoding in local vLLM generators (config/speculative.py): 'off', 'ngram' "
-                  "(prompt lookup), 'suffix' (suffix trees; needs arctic-inference), 'history' (drafts from earlier "
-                  "completions of the same prompt in this run) or 'auto' (measured on the policy: the fastest, or off). "
-                  "Drafts are verified by rejection sampling: samples and behaviour log-probs stay the policy's. "
-                  "Needs weight_load 'drain'."},
-    )
-    num_speculative_tokens: int = field(
-        default=4, metadata={"help": "Draft tokens per step with speculative decoding (1-16)."})
-    tail_migration: int = field(
-        default=0,
-        metadata={"help": "With several streaming generators: once at most this many prompt groups of a batch are "
-                  "still generating, spread over several generators, hand them to one of them (each sample continues "
-                  "from its tokens so far, which keep their versions and behaviour log-probs) so that the others "
-                  "serve the next batches alone. 0: off. Needs weight_load 'in_flight'."},
-    )
-    partial_rollouts: int = field(
-        default=0,
-        metadata={"help": "Partial rollouts (APRIL): keep this many prompt groups in flight beyond what admission "
-                  "allows; a step trains the first prompts_per_step groups to finish within the staleness bound "
-                  "(oldest version first) and the unfinished ones keep generating for later steps. A group that "
-                  "could only be trained past max_staleness is dropped, counted and regenerated, and its second "
-                  "attempt is waited for. 0: off (each step trains its own batch). Needs generation_mode 'stream', "
-                  "weight_load 'in_flight' and max_staleness >= 1."},
-    )
     generator_assignment: str = field(
         default="tokens",
         metadata={"help": "How a streamed batch's groups are spread over several generators: 'tokens' (by expected "
@@ -158,19 +115,6 @@ class AsyncRLConfig(TrainingArguments):
                   "fusion); False: every rank scores its share of the batch inside the training step. None (auto): "
                   "on, except under DeepSpeed, where a partitioned reward model needs every rank for each forward "
                   "(True there is refused)."},
-    )
-    reference_while_generating: bool = field(
-        default=False,
-        metadata={"help": "With score_while_generating, the scoring thread also computes the frozen reference "
-                  "model's log-probs of each arriving part, and the learner's step skips its reference forward "
-                  "(experimental/fused_reference.py). Not with a LoRA policy (its reference is the policy with adapters off). "
-                  "Off by default: on 2 CPU cores it lengthened the learner's wait more than it shortened its step "
-                  "(docs/performance.md)."},
-    )
-    train_while_generating: bool = field(
-        default=False,
-        metadata={"help": "Train a step's micro-batches on its prompt groups as they arrive, all but the last before "
-                  "the batch is whole (experimental/arrival_order.py). Needs gradient_accumulation_steps >= 2."},
     )
     generator_devices: list[str] = field(
         default_factory=lambda: ["cpu"],
@@ -191,23 +135,6 @@ class AsyncRLConfig(TrainingArguments):
                   "a GPU each for cuda entries, placed by Ray: on any node of the cluster with weights over the "
                   "network when it has nodes besides rank 0's, else on rank 0's node; needs requirements-ray.txt)."},
     )
-    generator_autoscale: bool = field(
-        default=False,
-        metadata={"help": "Add a generator on a free generator_autoscale_devices entry when the learner waits, retire "
-                  "one when generators idle, during the run, by a cost rule (experimental/autoscale_rule.py: a change "
-                  "must cut the device-seconds per step by 5 percent). No request is lost; a new generator loads the "
-                  "newest weights before its first request; max_staleness holds throughout."},
-    )
-    generator_autoscale_devices: list[str] = field(
-        default_factory=list, metadata={"help": "Spare devices autoscaling may add generators on ('cpu', 'cuda:<i>')."})
-    generator_autoscale_wait: float = field(
-        default=0.1, metadata={"help": "Add only when the learner waited at least this fraction of a window."})
-    generator_autoscale_idle: float = field(
-        default=0.5, metadata={"help": "Retire only when generators idled at least this fraction of a window."})
-    generator_autoscale_window: int = field(
-        default=4, metadata={"help": "Optimizer steps measured per autoscaling decision (after any change)."})
-    generator_autoscale_cost: float = field(
-        default=1.0, metadata={"help": "Price of a generator device per second, relative to a learner device's (1)."})
     generator_threads: int | None = field(
         default=None, metadata={"help": "torch/OMP threads per CPU generator (None: half the cores, at least 1)."}
     )
@@ -375,7 +302,7 @@ class AsyncRLConfig(TrainingArguments):
 
     def __post_init__(self):
         self.generator_devices = comma_list(self.generator_devices)
-        self.generator_autoscale_devices = comma_list(self.generator_autoscale_devices)
+        self.normalize_experimental()
         if self.generator_servers is not None:
             self.generator_servers = comma_list(self.generator_servers)
         check_types(self)
@@ -409,8 +336,7 @@ class AsyncRLConfig(TrainingArguments):
             _require(getattr(self, name) in allowed, name, f"{getattr(self, name)!r} is not one of {allowed}")
         check_generator_servers(self)
         check_counts(self)
-        check_staleness_bound(self)
-        check_speculative(self)
+        self.check_experimental()
         check_elastic(self)
         check_combinations(self)
         check_dir("shm_dir", self.shm_dir)
@@ -451,11 +377,6 @@ class AsyncRLConfig(TrainingArguments):
             # between the dicts. Off a terminal the dicts alone then, one a line (transformers' PrinterCallback).
             self.disable_tqdm = True
         super().__post_init__()
-
-    def max_token_staleness(self) -> int:
-        """The most steps behind the learner any trained token may be: max_staleness under the 'oldest' rule,
-        max_oldest_staleness under 'newest'."""
-        return self.max_oldest_staleness if self.staleness_bound == "newest" else self.max_staleness
 
     def cpu_learner_threads(self) -> int:
         """Threads for one CPU learner rank. More threads than free cores is far worse than fewer: OpenMP's

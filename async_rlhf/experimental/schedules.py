@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from async_rlhf.experimental.arrival_order import ArrivalOrderBatches
 from async_rlhf.experimental.elastic import make_elastic
+from async_rlhf.experimental.elastic_pool import ElasticGeneratorPool
 from async_rlhf.experimental.fused_reference import reference_parts
 from async_rlhf.experimental.partial_rollouts import PartialBatches
 from async_rlhf.experimental.tail_migration import HandoffEngine, TailMigration
+from async_rlhf.generation.pool.local import GeneratorPool
 from async_rlhf.pipeline.batch_forming import MakeBatchForming, WholeBatches
 
 
@@ -50,3 +52,9 @@ def scoring_stages(args, *, ref_model, deepspeed: bool, packing: dict, temperatu
             and ref_model is not None):
         return []
     return [("reference", lambda parts: reference_parts(parts, ref_model, temperature=temperature, **packing))]
+
+
+def pool_class(args) -> type[GeneratorPool]:
+    """The local generator pool: one whose generators can be added and retired with `generator_autoscale`
+    (`elastic_pool.py`); else the core's fixed `GeneratorPool`."""
+    return ElasticGeneratorPool if args.generator_autoscale else GeneratorPool

@@ -98,7 +98,8 @@ class AsyncTrainerBase(Trainer):
         # models load (generation/pool/early_start.py) -----------------------------------------------------------------
         init_kwargs = args.model_init_kwargs or {}
         self._early_pool = None if model_config is None else choose_backend_and_spawn(
-            args, model, model_config, init_kwargs, train_dataset, processing_class, schedules.stream_engine(args))
+            args, model, model_config, init_kwargs, train_dataset, processing_class, schedules.stream_engine(args),
+            schedules.pool_class(args))
         if self._early_pool is not None:
             self.timeline.mark("generators_spawned")
         try:
@@ -123,7 +124,8 @@ class AsyncTrainerBase(Trainer):
             return make_pool(self.args, on_rollouts, initial_version, model_path=model_dir, engine_kwargs=kwargs,
                              early_pool=early, device=self.accelerator.device,
                              scheduling=schedules.generator_scheduling(self.args, self.accelerator.num_processes),
-                             stream_engine=schedules.stream_engine(self.args))
+                             stream_engine=schedules.stream_engine(self.args),
+                             pool_class=schedules.pool_class(self.args))
         return make
 
     def _close_early_pool(self) -> None:

@@ -1,4 +1,4 @@
-"""A generator joins and leaves a running pool (`GeneratorPool.add_generator` / `retire_generator`), with real
+"""A generator joins and leaves a running pool (`experimental/elastic_pool.py`: `add_generator` / `retire_generator`), with real
 generator processes (transformers backend, tiny model) or Ray actors (slow tier; skipped without Ray):
 
 * a joining generator takes no request until it is ready, and before its first request it loads the newest weights,
@@ -15,8 +15,8 @@ import time
 import pytest
 
 from async_rlhf.data.tiny_model import char_tokenizer, tiny_llama
+from async_rlhf.experimental.elastic_pool import ElasticGeneratorPool
 from async_rlhf.generation.engine.worker import GeneratorSpec
-from async_rlhf.generation.pool.local import GeneratorPool
 from async_rlhf.types import GenerationRequest, SamplingSettings
 from async_rlhf.weight_sync import ShmWeightTransport
 
@@ -51,7 +51,7 @@ def test_a_generator_joins_with_the_newest_weights_and_retires_without_losing_wo
     got: queue.Queue = queue.Queue()
     arrived: list = []
     transport = ShmWeightTransport(str(tmp_path))
-    pool = GeneratorPool([_spec(0, tiny_model_dir, tmp_path)], got.put, start_timeout=300, weight_sync_timeout=300,
+    pool = ElasticGeneratorPool([_spec(0, tiny_model_dir, tmp_path)], got.put, start_timeout=300, weight_sync_timeout=300,
                          max_restarts=0, launcher=_launcher(launcher))
 
     def wait_for(done, what: str, timeout: float = 240.0) -> None:

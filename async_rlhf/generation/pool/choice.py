@@ -40,11 +40,12 @@ def network_options(args) -> dict:
 
 def make_pool(args, on_rollouts: Callable[[RolloutBatch], None], initial_version: int, *, model_path: str,
               engine_kwargs: dict, early_pool: GeneratorPool | None, device,
-              scheduling: SchedulingFactory | None = None, stream_engine: type | None = None
+              scheduling: SchedulingFactory | None = None, stream_engine: type | None = None,
+              pool_class: type[GeneratorPool] = GeneratorPool
               ) -> tuple[WeightTransport, GeneratorPoolProtocol, GeneratorScheduling]:
     """(weight transport, generator pool not started yet, generator schedule) for `args`. The first three arguments
-    after `args` are the pipeline's (`pipeline/generator_pool.MakePool`); the trainer binds the rest (`scheduling` and
-    `stream_engine`: an optional schedule's, from `experimental/schedules.py`; None: the core's)."""
+    after `args` are the pipeline's (`pipeline/generator_pool.MakePool`); the trainer binds the rest (`scheduling`,
+    `stream_engine` and `pool_class`: an optional schedule's, from `experimental/schedules.py`; else the core's)."""
     if args.generator_servers:
         from async_rlhf.generation.pool.http_pool import HTTPGeneratorPool
         from async_rlhf.generation.serve import TOKEN_ENV
@@ -59,7 +60,7 @@ def make_pool(args, on_rollouts: Callable[[RolloutBatch], None], initial_version
     specs = generator_specs(args, model_path, engine_kwargs, initial_version, stream_engine)
     launcher = make_launcher(args, model_path)  # Ray: decides where the actors may run, and so their weights
     weights = launcher.weights if launcher is not None else args.local_weight_transport
-    pool = adopt_or_close(early_pool, specs, on_rollouts) or GeneratorPool(
+    pool = adopt_or_close(early_pool, specs, on_rollouts, pool_class) or pool_class(
         specs, on_rollouts, args.generator_start_timeout, args.weight_sync_timeout, args.generator_max_restarts,
         launcher=launcher)
     pool.weights = weights

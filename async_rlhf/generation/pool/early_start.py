@@ -37,10 +37,12 @@ logger = logging.getLogger(__name__)
 
 
 def choose_backend_and_spawn(args, model, model_config, init_kwargs: dict, train_dataset,
-                             tokenizer, stream_engine: type | None = None) -> GeneratorPool | None:
+                             tokenizer, stream_engine: type | None = None,
+                             pool_class: type[GeneratorPool] = GeneratorPool) -> GeneratorPool | None:
     """The trainer's constructor, before the prompts are tokenized and any model loads: decide `generator_backend`
     ('auto': `backend_choice.py`, timed on one step of the dataset's first prompts where the policy has a directory)
-    and spawn the generators (`spawn_early`; `stream_engine`: see `worker.GeneratorSpec`)."""
+    and spawn the generators (`spawn_early`; `stream_engine`: see `worker.GeneratorSpec`; `pool_class`: the local
+    pool an optional schedule needs, `choice.make_pool`)."""
     path = model if isinstance(model, str) and os.path.isfile(os.path.join(model, "config.json")) else None
     dtype = (predicted_dtype(init_kwargs, model_config) if isinstance(model, str)
              else str(next(model.parameters()).dtype).removeprefix("torch."))
@@ -55,7 +57,7 @@ def choose_backend_and_spawn(args, model, model_config, init_kwargs: dict, train
     resolve_generator_backend(args, model_config, architecture, dtype, workload=workload)
     if args.speculative == "auto":
         resolve_speculative(args, workload if args.generator_backend == "vllm" else None, dtype)
-    return spawn_early(args, model, dtype, stream_engine)
+    return spawn_early(args, model, dtype, stream_engine, pool_class)
 
 
 def _first_prompts(dataset, tokenizer, count: int, max_prompt_length: int) -> list[list[int]]:
@@ -79,7 +81,8 @@ def predicted_dtype(init_kwargs: dict, model_config) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def spawn_early(args, model, dtype: str, stream_engine: type | None = None) -> GeneratorPool | None:
+def spawn_early(args, model, dtype: str, stream_engine: type | None = None,
+                pool_class: type[GeneratorPool] = GeneratorPool) -> GeneratorPool | None:
     """Spawn the generators `train()` will most likely need, and return their pool (None where not predictable)."""
     if (not args.generator_early_start or args.process_index != 0 or args.generator_servers
             or args.resume_from_checkpoint
@@ -88,17 +91,18 @@ def spawn_early(args, model, dtype: str, stream_engine: type | None = None) -> G
     if not (isinstance(model, str) and os.path.isfile(os.path.join(model, "config.json"))):
         return None
     specs = generator_specs(args, model, engine_kwargs(args, dtype), initial_version=0, stream_engine=stream_engine)
-    pool = GeneratorPool(specs, None, args.generator_start_timeout, args.weight_sync_timeout,
-                         args.generator_max_restarts)
+    pool = pool_class(specs, None, args.generator_start_timeout, args.weight_sync_timeout,
+                      args.generator_max_restarts)
     pool.spawn()
     return pool
 
 
-def adopt_or_close(pool: GeneratorPool | None, specs: list[GeneratorSpec], on_rollouts) -> GeneratorPool | None:
-    """`pool` wired to `on_rollouts` if it runs exactly `specs`; else close it (None)."""
+def adopt_or_close(pool: GeneratorPool | None, specs: list[GeneratorSpec], on_rollouts,
+                   pool_class: type[GeneratorPool] = GeneratorPool) -> GeneratorPool | None:
+    """`pool` wired to `on_rollouts` if it is a `pool_class` running exactly `specs`; else close it (None)."""
     if pool is None:
         return None
-    if pool.specs == specs:
+    if pool.specs == specs and type(pool) is pool_class:
         pool.on_rollouts = on_rollouts
         return pool
     differ = sorted({f for a, b in zip(pool.specs, specs) for f in GeneratorSpec.__dataclass_fields__

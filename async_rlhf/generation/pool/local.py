@@ -26,13 +26,10 @@ Guarantees:
   no inbox). A pool never closed (its owner left by an unexpected path) kills its generators
   when it is garbage-collected or at interpreter exit, before `multiprocessing` would join them forever.
 
-Elastic membership (`generator_autoscale`, driven by `elastic.py`), with the guarantees above kept:
-* `add_generator` starts a generator on a new id; the newest weights are queued first in its inbox, and updates sent
-  while it starts are replaced by the newest one when it is ready. Requests go only to `active_generators()`, which
-  it joins once ready: it never samples with weights older than those queued when it got its first request;
-* `retire_generator` takes a generator out of `active_generators()` at once; it gets `Shutdown` only once every
-  request it holds is answered (`check`), so no request is lost, and a retiring generator that dies is restarted and
-  re-sent its requests like any other. A retired generator's outbox is read until it exits (its last answers count).
+Membership hooks, each with the fixed pool's behaviour as its default, for a pool whose generators come and go (an
+optional schedule's subclass, chosen in `experimental/schedules.py`: `experimental/elastic_pool.py`): `_out_of_service`
+(ids that take no requests now), `_takes_updates(g)`, `_restart_wanted(g)`, `_gone()` (owe no acknowledgement),
+`_ready(g)`, `_restarted(g, version)` and `_gone()` (called with the lock held), `_advance(now)` (at each `check`).
 
 Weights over the network (`weight_transport='network'`): `feeds` (`network_feeds.py`) gives each generator process
 a weight group of its own, joined first thing (its `WeightGroupJoin` precedes everything in a new inbox: at `start`,
@@ -81,10 +78,6 @@ class GeneratorPool:
         self.processes = [self._process(*args) for args in zip(self.specs, self.inboxes, self.outboxes)]
         self._merged: queue.Queue = queue.Queue()  # (generator index, incarnation, message) from every outbox
         self._incarnation = [0] * len(self.specs)  # bumped at each restart; older messages are stale
-        self._joining: set[int] = set()  # added, not ready yet: no requests, no weights until ready
-        self._retiring: dict[int, float] = {}  # taken out of service -> time Shutdown was sent (0: still draining)
-        self.retired: dict[int, float] = {}  # generator -> time its process was seen gone
-        self._sent_version: dict[int, int] = {}  # joining generator -> version queued to it at spawn
         self.answered: dict[int, list[int]] = {}  # generator -> [parts answered, oldest policy_version among them]
         self.acks = AckTracker([s.generator_id for s in self.specs], self.specs[0].initial_version,
                                weight_sync_timeout)
@@ -123,21 +116,32 @@ class GeneratorPool:
         return len(self.active_generators())
 
     def active_generators(self) -> list[int]:
-        """Generators that take requests: started and ready, not retiring or retired (restarting ones included:
-        their requests wait in their inbox)."""
+        """Generators that take requests (restarting ones included: their requests wait in their inbox)."""
         with self._lock:
-            out = set(self._joining) | set(self._retiring) | set(self.retired)
+            out = self._out_of_service()
         return [s.generator_id for s in self.specs if s.generator_id not in out]
 
-    def joining(self) -> list[int]:
-        """Generators added and not ready yet."""
-        with self._lock:
-            return sorted(self._joining)
+    # ---- membership hooks (see the module docstring): a fixed pool's generators all serve to the end ------------
+    def _out_of_service(self) -> set[int]:
+        return set()
 
-    def settled(self) -> bool:
-        """No generator is joining or retiring."""
-        with self._lock:
-            return not self._joining and not self._retiring
+    def _takes_updates(self, generator_id: int) -> bool:
+        return True
+
+    def _restart_wanted(self, generator_id: int) -> bool:
+        return True
+
+    def _gone(self) -> set[int]:
+        return set()
+
+    def _ready(self, generator_id: int) -> None:
+        pass
+
+    def _restarted(self, generator_id: int, version: int) -> None:
+        pass
+
+    def _advance(self, now: float) -> None:
+        pass
 
     def _forward(self, i: int) -> None:
         """Start the thread that moves generator i's current outbox into `_merged`, tagged with its incarnation."""
@@ -240,7 +244,7 @@ class GeneratorPool:
         deadline = time.monotonic() + timeout
         while True:
             with self._lock:
-                gone = set(self._errors) | set(self._starting) | set(self.retired)
+                gone = set(self._errors) | set(self._starting) | self._gone()
             owing = [g for g in self.acks.pending()
                      if g not in gone and g < len(self.processes) and self.processes[g].exitcode is None]
             if not owing:
@@ -251,74 +255,14 @@ class GeneratorPool:
                 return
             time.sleep(0.05)
 
-    # ---- elastic membership (main thread) ------------------------------------------------------------------
-    def add_generator(self, spec: GeneratorSpec) -> None:
-        """Start one more generator (`spec.generator_id` must be the next id). It joins `active_generators()` once
-        ready, with the newest weights queued ahead of any request."""
-        if spec.generator_id != len(self.specs):
-            raise ValueError(f"add_generator: generator id {spec.generator_id}, expected {len(self.specs)}")
-        if self._stopping.is_set():
-            return
-        inbox, outbox = self.launcher.queues()
-        with self._lock:
-            gid = spec.generator_id
-            self.specs.append(spec)
-            self.inboxes.append(inbox)
-            self.outboxes.append(outbox)
-            self.processes.append(self._process(spec, inbox, outbox))
-            self._incarnation.append(0)
-            self.restarts[gid] = 0
-            self._in_flight[gid] = {}
-            self._joining.add(gid)
-            self._starting[gid] = time.monotonic()
-            self.acks.add(gid, spec.initial_version)
-            update = self._last_update
-            self._sent_version[gid] = spec.initial_version
-            if self.feeds is not None:
-                self.feeds.open(gid, inbox)
-            if update is not None:
-                self._sent_version[gid] = update.version
-                self.acks.sent(gid, update.version)
-                self._queue_update(gid, update)
-        self.processes[gid].start()
-        self._forward(gid)
-
-    def retire_generator(self, generator_id: int) -> None:
-        """Take a generator out of service now; `check` shuts it down once its requests are answered."""
-        with self._lock:
-            if generator_id in self._retiring or generator_id in self.retired:
-                return
-            self._retiring[generator_id] = 0.0
-
-    def advance_retiring(self, now: float) -> None:
-        """Shut down retiring generators whose requests are all answered; record those gone, SIGKILL the overdue."""
-        with self._lock:
-            drained = [g for g, t in self._retiring.items() if t == 0.0 and not self._in_flight[g]
-                       and g not in self._starting]
-            for g in drained:
-                self._retiring[g] = now
-                self.acks.remove(g)  # no more updates go to it, none is awaited from it
-                self.inboxes[g].put(Shutdown())
-            sent = [(g, t) for g, t in self._retiring.items() if t > 0.0]
-        for g, t in sent:
-            p = self.processes[g]
-            if p.exitcode is None and now - t > self.start_timeout:
-                stop_process(p, 0.0)
-            if p.exitcode is not None:
-                with self._lock:
-                    del self._retiring[g]
-                    self.retired[g] = now
-                if self.feeds is not None:
-                    self.feeds.drop(g)
-
     # ---- messages --------------------------------------------------------------------------------------
     def send_weights(self, update: WeightUpdate) -> None:
         with self._lock:
             self._last_update = update
             for spec, inbox in zip(self.specs, self.inboxes):
                 gid = spec.generator_id
-                if gid in self._joining or gid in self.retired or self._retiring.get(gid, 0.0) > 0.0:
-                    continue  # joining: gets the newest when ready; shut down: gets nothing more
+                if not self._takes_updates(gid):
+                    continue
                 self.acks.sent(gid, update.version)
                 self._queue_update(gid, update)
 
@@ -362,9 +306,9 @@ class GeneratorPool:
             if now - since > self.start_timeout:
                 raise StageTimeout(f"generator start: restarted or added generator {gid} not ready within "
                                    f"{self.start_timeout:.0f}s")
-        self.advance_retiring(now)
+        self._advance(now)
         for i, (spec, p) in enumerate(zip(self.specs, self.processes)):
-            if p.exitcode is None or self._retiring.get(i, 0.0) > 0.0 or i in self.retired:
+            if p.exitcode is None or not self._restart_wanted(spec.generator_id):
                 continue
             if self._stopping.is_set():
                 raise GeneratorFailed(f"generator {spec.generator_id} ({spec.device}) exited with code {p.exitcode} "
@@ -402,8 +346,7 @@ class GeneratorPool:
             if update is not None:  # FIFO: the newest weights load before any re-issued request
                 self.acks.sent(gid, version)
                 self._queue_update(gid, update)
-            if gid in self._joining:
-                self._sent_version[gid] = version
+            self._restarted(gid, version)
             for request in sorted(self._in_flight[gid].values(), key=lambda r: (r.batch_id, r.chunk)):
                 inbox.put(request)
         self.processes[i].start()
@@ -441,12 +384,7 @@ class GeneratorPool:
                 self._placed(msg)
                 with self._lock:
                     self._starting.pop(gid, None)
-                    if gid in self._joining:  # updates sent while it started were held back: the newest now
-                        update = self._last_update
-                        if update is not None and update.version > self._sent_version[gid]:
-                            self.acks.sent(gid, update.version)
-                            self._queue_update(gid, update)
-                        self._joining.discard(gid)
+                    self._ready(gid)
                 continue
             with self._lock:
                 taken = self.scheduling.message(msg, self)
