@@ -99,9 +99,6 @@ class AsyncPolicyGradientConfig(AsyncRLConfig):
         super().__post_init__()
 
 
-DEFAULT_MAX_LENGTH = 512  # prompt + completion tokens of a group learner unless max_length is set (see its help)
-
-
 @dataclass
 class AsyncGroupRLConfig(AsyncPolicyGradientConfig):
     """What TRL 1.16's `RLOOConfig` and `GRPOConfig` share: batch sizes counted in completions, TRL's defaults, and
@@ -225,8 +222,9 @@ class AsyncBestOfNConfig(AsyncRLConfig):
 
 @dataclass
 class AsyncGRPOConfig(AsyncGroupRLConfig):
-    """GRPO (Shao et al. 2024) on the asynchronous pipeline, with TRL 1.16 GRPOConfig's names and defaults for the
-    loss (`loss_type` "dapo", `beta` 0, `scale_rewards` "group", `num_generations` 8). The ratio's denominator and
+    """GRPO (Shao et al. 2024) on the asynchronous pipeline: every field of TRL 1.16's GRPOConfig, with its defaults
+    (`loss_type` "dapo", `beta` 0, `scale_rewards` "group", `num_generations` 8) and its batch semantics
+    (`AsyncGroupRLConfig`). The ratio's denominator and
     the stale-sample handling are `off_policy_correction`'s, as for RLOO and PPO. The reference model is still
     loaded and run at beta 0 (for the objective/kl metric every learner logs)."""
 

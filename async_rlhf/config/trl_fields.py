@@ -106,6 +106,7 @@ GROUP_NO_OPS = {
     "vespo_lambda_neg": (2.0, "the 'vespo' loss is not built"),
 }
 DEFAULT_COMPLETION_LENGTH = 512  # TRL 1.16's max_completion_length
+DEFAULT_MAX_LENGTH = 512  # ours (prompt + completion), unless 2 x the completion length is more
 
 
 def _world_size() -> int:
@@ -124,7 +125,7 @@ def apply_group_fields(config) -> None:
     config.max_new_tokens = config.max_completion_length = mct or mnt or DEFAULT_COMPLETION_LENGTH
     config.max_length_defaulted = config.max_length is None  # the trainer may lower it to the policy's positions
     if config.max_length is None:
-        config.max_length = max(512, 2 * config.max_new_tokens)
+        config.max_length = max(DEFAULT_MAX_LENGTH, 2 * config.max_new_tokens)
     if config.vllm_max_model_length is not None:
         config.vllm_max_model_len = config.vllm_max_model_length
     if config.use_transformers_paged:

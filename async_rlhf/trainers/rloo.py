@@ -1,12 +1,12 @@
-"""Asynchronous RLOO: k samples per prompt, leave-one-out baseline, KL folded into the reward, PPO-style clipped
-update against the behaviour (or proximal) log-probs. Constructor and config names follow TRL 1.16's RLOOTrainer.
+"""Asynchronous RLOO: k samples per prompt, leave-one-out baseline, KL folded into the reward, PPO-style clipped update
+against the behaviour (or proximal) log-probs. Constructor and config names follow TRL 1.16's RLOOTrainer.
 
 As TRL's: batch sizes count completions (`AsyncGroupRLConfig`), reward functions get TRL's arguments
-(`scoring/rewards.py::trl_reward_arguments`), an unscorable completion (every function returned None) is left out of
-its siblings' baseline with advantage 0, `reward_clip_range` clamps the combined reward, and TRL's metric names are
-logged (`kl`, `entropy`, `num_tokens`, `completions/*`, `rewards/<name>/mean|std`, `reward`, `reward_std`,
-`frac_reward_zero_std`) beside ours. Where it differs: the ratio is per token against the behaviour (or proximal)
-log-probs (TRL's is one ratio per sequence against the same step's log-probs), and the clip is symmetric
+(`scoring/rewards.py::trl_reward_arguments`), an unscorable completion (every function returned None) is left out of its
+siblings' baseline with advantage 0, `reward_clip_range` clamps the combined reward, and TRL's metric names are logged
+(`kl`, `entropy`, `num_tokens`, `completions/*`, `clip_ratio/*` over tokens, `rewards/<name>/mean|std`, `reward`,
+`reward_std`, `frac_reward_zero_std`) beside ours. Where it differs: the ratio is per token against the behaviour (or
+proximal) log-probs (TRL's is one ratio per sequence against the same step's log-probs), and the clip is symmetric
 (`epsilon_high` other than `epsilon` is refused).
 """
 
@@ -81,6 +81,19 @@ class AsyncRLOOTrainer(AsyncTrainerBase):
         std = torch.stack([g[torch.isfinite(g)].std() if torch.isfinite(g).sum() > 1 else torch.tensor(0.0)
                            for g in grouped])
         metrics["frac_reward_zero_std"] = torch.isclose(std, torch.zeros_like(std)).float().mean().item()
+        with torch.no_grad():  # TRL's clip names, over tokens (ours clips per token; TRL's ratio is per sequence)
+            ratio = torch.exp(torch.where(mask != 0, t.seq.logps.detach() - old, 0.0))
+            adv = advantages[:, None]
+            low = ((ratio < 1 - a.epsilon) & (adv < 0)).float() * mask
+            high = ((ratio > 1 + a.epsilon) & (adv > 0)).float() * mask
+            tokens, per_seq = mask.sum().clamp(min=1), mask.sum(-1).clamp(min=1)
+            rows = mask.sum(-1) > 0
+            metrics["clip_ratio/low_mean"] = (low.sum() / tokens).item()
+            metrics["clip_ratio/high_mean"] = (high.sum() / tokens).item()
+            metrics["clip_ratio/region_mean"] = (torch.maximum(low, high).sum() / tokens).item()
+            if rows.any():
+                metrics["clip_ratio/low_min"] = (low.sum(-1) / per_seq)[rows].min().item()
+                metrics["clip_ratio/high_max"] = (high.sum(-1) / per_seq)[rows].max().item()
         if a.beta != 0.0:  # TRL: the first-order per-token KL, masked mean
             kl = (t.seq.logps.detach() - t.seq.ref_logps) * mask
             metrics["kl"] = (kl.sum() / mask.sum().clamp(min=1)).item()

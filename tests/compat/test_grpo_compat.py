@@ -1,21 +1,21 @@
 """TRL 1.16's GRPO trainer tests (huggingface/trl tests/test_grpo_trainer.py), rewritten with local tiny models, each
-run against TRL's `GRPOTrainer` (the control) and our `AsyncGRPOTrainer` with the same TRL fields: a TRL script
-switched by one import. A case passes for both or the drop-in is broken.
+run against TRL's `GRPOTrainer` (the control) and our `AsyncGRPOTrainer` with the same TRL fields: a TRL script switched
+by one import. A case passes for both or the drop-in is broken.
 
 Upstream uses hub models (tiny Qwen2 policy, tiny sequence-classification reward models) and the
-`trl-internal-testing/zen` prompts; here the tiny Llama policy and reward model of `compat_dirs` (conftest.py) and
-the zen prompts built locally, in TRL's two formats. Every case sets `max_steps` (upstream trains the whole 17-row
-set), `bf16=False` (CPU) and, for ours, short timeouts (`OURS`): nothing else differs between the two calls.
-Not rewritten: vLLM, PEFT, Liger, vision-language, tools / environments, entropy masking and bonus, the reference
-sync and the 'vespo' loss (our config accepts their fields and names them in one warning; tested below), iterable
-datasets and evaluation during training.
+`trl-internal-testing/zen` prompts; here the tiny Llama policy and reward model of `compat_dirs` (conftest.py) and the
+zen prompts built locally, in TRL's two formats. Every case sets `max_steps` (upstream trains the whole 17-row set),
+`bf16=False` (CPU) and, for ours, short timeouts (`OURS`): nothing else differs between the two calls. Not rewritten:
+vLLM, PEFT, Liger, vision-language, tools / environments, entropy masking and bonus, the reference sync and the 'vespo'
+loss (our config accepts their fields and names them in one warning; tested below), iterable datasets and evaluation
+during training.
 
 Default tier: one training per class checking several of upstream's cases at once (conversational prompts and
-message-list arguments, a reward model with its own chat template, a function reading an extra column,
-`trainer_state` and `log_metric`, a function returning None, reward weights and the logged reward, beta > 0, TRL's
-metric names), the construction and config cases, and ours' refusals. The cases upstream has one by one (text
-prompts with a reward model by path, loss types, reward scaling, clipping, masking, ...) train in the `slow` tier. The file is marked
-`integration` (`-m "not integration"` stays the unit tier).
+message-list arguments, a reward model with its own chat template, a function reading an extra column, `trainer_state`
+and `log_metric`, a function returning None, reward weights and the logged reward, beta > 0, TRL's metric names), the
+construction and config cases, and ours' refusals. The cases upstream has one by one (text prompts with a reward model
+by path, loss types, reward scaling, clipping, masking, ...) train in the `slow` tier. The file is marked `integration`
+(`-m "not integration"` stays the unit tier).
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """TRL 1.16's RLOOTrainer / RLOOConfig where our RLOO shares a field or a behaviour with it (huggingface/trl
 tests/test_rloo_trainer.py's cases of that kind), against TRL's classes (the control) and ours imported under TRL's
-names. The models and prompts are `tests/compat/conftest.py`'s; the scoring path (TRL's reward-function arguments, None as NaN) is the one GRPO's default-tier training checks.
+names. The models and prompts are `tests/compat/conftest.py`'s; the scoring path (TRL's reward-function arguments, None
+as NaN) is the one GRPO's default-tier training checks.
 
-Default tier: the config and construction cases (no training). The trainings (upstream's test_train with a reward
-model, conversational reward functions with a None output, reward clipping and normalised advantages) are `slow`:
-RLOO's training is default-tier in tests/integration (test_sync_parity.py, test_policy_gradient_learners.py).
+Default tier: the config and construction cases (no training). The trainings (upstream's test_train with a reward model,
+conversational reward functions with a None output, reward clipping and normalised advantages) are `slow`: RLOO's
+training is default-tier in tests/integration (test_sync_parity.py, test_policy_gradient_learners.py).
 """
 
 from __future__ import annotations
@@ -135,5 +136,5 @@ def test_train_conversational_with_a_none_output(impl, fields, compat_dirs, zen_
     trainer = _trainer(impl, tmp_path, fields, model=compat_dirs["policy"], reward_funcs=[content_length, none_reward],
                        train_dataset=zen_prompts("conversational_prompt_only"))
     steps = _train_and_check(trainer)
-    assert {"reward", "reward_std", "entropy", "num_tokens", "completions/mean_length", "kl",
-            "rewards/content_length/mean"} <= set().union(*steps)
+    assert {"reward", "reward_std", "entropy", "num_tokens", "completions/mean_length", "kl", "clip_ratio/low_mean",
+            "clip_ratio/high_max", "clip_ratio/region_mean", "rewards/content_length/mean"} <= set().union(*steps)
