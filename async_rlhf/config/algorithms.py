@@ -110,8 +110,8 @@ class AsyncGroupRLConfig(AsyncPolicyGradientConfig):
     and checked with TRL's rules and messages. Here a micro-batch holds whole prompt groups, so
     per_device_train_batch_size must be a multiple of num_generations (TRL only needs generation_batch_size to be)."""
 
-    max_new_tokens: int | None = field(default=None, metadata={"help": "Our name for max_completion_length (set "
-                                                                      "either; both must agree)."})
+    max_new_tokens: int | None = field(default=None, metadata={"help": "Our name for max_completion_length "
+                                                                      "(which wins where both are set)."})
     max_completion_length: int | None = field(default=None, metadata={
         "help": "Maximum tokens generated per completion; None: max_new_tokens if set, else 512 (TRL's default)."})
     max_length: int | None = field(default=None, metadata={

@@ -27,7 +27,8 @@ Conflicts between a TRL field and the explicit field it maps onto (`use_vllm=Tru
 
 TRL 1.16 `GRPOConfig` / `RLOOConfig` fields on the group learners (`AsyncGroupRLConfig`: GRPO, RLOO),
 `apply_group_fields`:
-* mapped: `max_completion_length` <-> `max_new_tokens` (either; 512 when neither is set, TRL's default);
+* mapped: `max_completion_length` <-> `max_new_tokens` (either; TRL's name wins where both are set; 512 when
+  neither is, TRL's default);
   `vllm_max_model_length` -> `vllm_max_model_len`; `per_device_train_batch_size`, `generation_batch_size` and
   `steps_per_generation` count completions, with TRL's rules and error messages; a `steps_per_generation` of m x
   `gradient_accumulation_steps` (m > 1) is `num_mini_batches` m, TRL's meaning (m steps trained on completions of
@@ -119,10 +120,9 @@ def apply_group_fields(config) -> None:
     """TRL's RLOOConfig / GRPOConfig rules on a group learner's config (in place), before the shared checks: the
     completion length, TRL's batch arithmetic with its checks and messages, and the fields that map onto ours."""
     mct, mnt = config.max_completion_length, config.max_new_tokens
-    if mct is not None and mnt is not None and mct != mnt:
-        raise ConfigError(f"max_completion_length: {mct} and max_new_tokens: {mnt} name the same limit (TRL's name "
-                          "and ours); set one of them")
-    config.max_new_tokens = config.max_completion_length = mct or mnt or DEFAULT_COMPLETION_LENGTH
+    # TRL's name wins where both are set (a recipe's task config sets max_new_tokens; a flag may then set TRL's)
+    config.max_new_tokens = config.max_completion_length = (
+        mct if mct is not None else mnt if mnt is not None else DEFAULT_COMPLETION_LENGTH)
     config.max_length_defaulted = config.max_length is None  # the trainer may lower it to the policy's positions
     if config.max_length is None:
         config.max_length = max(DEFAULT_MAX_LENGTH, 2 * config.max_new_tokens)
