@@ -154,7 +154,7 @@ class RewardScorer:
             if len(values) != len(completions):
                 raise RewardError(f"reward function {name!r} returned {len(values)} scores for "
                                   f"{len(completions)} completions")
-            clean = []
+            clean, dropped = [], []
             for v, pid in zip(values, prompt_ids):
                 missing = trl and not raised_now and (v is None or math.isnan(float(v)))  # TRL: None is NaN
                 bad = not missing and (v is None or not math.isfinite(float(v)))
@@ -162,13 +162,13 @@ class RewardScorer:
                     raise RewardError(f"reward function {name!r} returned {v!r} for prompt id {pid} "
                                       "(set reward_failure='skip' to drop such samples)")
                 clean.append(float("nan") if bad or missing else float(v))
+                dropped.append(bad or raised_now)
             per_func[name] = clean
-            if trl:  # TRL: weighted scores summed ignoring NaN; raised ("skip") calls leave the sample out below
+            if trl:  # TRL: weighted scores summed ignoring None (NaN); a raise or inf under "skip" drops the sample
                 values_t = torch.tensor(clean)
                 total += torch.nan_to_num(w * values_t, nan=0.0)
+                total[torch.tensor(dropped)] = float("nan")
                 unscored &= torch.isnan(values_t)
-                if raised_now:
-                    total += float("nan")  # this call raised under "skip": the samples are dropped, as before
             else:
                 total += w * torch.tensor(clean)
         if trl:

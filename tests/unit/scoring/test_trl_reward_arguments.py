@@ -81,6 +81,12 @@ def test_inf_and_exceptions_still_follow_reward_failure():
     total, _ = _score(_scorer([boom, inf], failure="skip"), ["p"], ["a"])
     assert math.isnan(total[0])  # skipped, as before: a raising call drops its samples
 
+    def one(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    total, _ = _score(_scorer([one, inf], failure="skip"), ["p"], ["a"])
+    assert math.isnan(total[0])  # inf is a bad reward, not a missing one: the sample is dropped, not summed as 0
+
 
 def test_rloo_baseline_averages_scorable_siblings_only():
     rewards = torch.tensor([[1.0, 2.0, 3.0], [4.0, math.nan, 6.0], [5.0, math.nan, math.nan]])
