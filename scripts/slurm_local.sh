@@ -80,7 +80,6 @@ JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
 KillWait=30
 MinJobAge=3600
-SchedulerParameters=defer_batch
 DefMemPerCPU=$(( mem / cpus ))
 NodeName=$host CPUs=$cpus RealMemory=$mem State=UNKNOWN
 PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP

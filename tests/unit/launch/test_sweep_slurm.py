@@ -181,3 +181,40 @@ def test_cell_task_pickles_the_cell_not_its_process():
     again = pickle.loads(pickle.dumps(task))
     assert (again.name, again.run_dir, again.cmd, again.grace) == ("a-N1-seed1", "/r/a", ["python", "x.py"], 30.0)
     assert again._proc is None and again._terminated is False
+
+
+# ---- --status ------------------------------------------------------------------------------------------------------
+def test_status_combines_the_scheduler_and_the_run_directories(tmp_path, monkeypatch, capsys):
+    import json
+
+    from launch.sweeping import slurm_queue, status
+
+    runs = tmp_path / "runs"
+    cells = {"a-N1-seed1": {"status": "finished", "job_id": "9_0"},
+             "a-N2-seed1": {"status": "failed", "job_id": "9_1", "message": "ValueError: bad"},
+             "b-N1-seed1": {"status": "requeued", "job_id": "9_2", "attempt": 1,
+                            "message": "time limit or preemption: saved checkpoint-6, requeued to resume"},
+             "b-N2-seed1": {"status": "queued", "job_id": "9_3"},
+             "c-N1-seed1": {"status": "running", "job_id": "9_4", "attempt": 2}}
+    for name, record in cells.items():
+        (runs / name).mkdir(parents=True)
+        (runs / name / "sweep_run.json").write_text(json.dumps({**record, "expects_eval": False}))
+    (runs / "a-N1-seed1" / "run_summary.json").write_text("{}")
+    asked = []
+    monkeypatch.setattr(slurm_queue, "query", lambda ids: asked.append(sorted(ids)) or {
+        "9_1": ("FAILED", "NonZeroExitCode"), "9_2": ("PENDING", "BeginTime"), "9_3": ("PENDING", "Priority"),
+        "9_4": ("RUNNING", "None")})
+    assert status.print_status(str(tmp_path)) == 0
+    out = capsys.readouterr().out
+    assert asked == [["9_0", "9_1", "9_2", "9_3", "9_4"]]
+    assert "5 cells: 1 finished, 1 failed, 1 requeued, 1 queued, 1 running (Slurm asked)" in out
+    lines = {ln.split()[0]: ln for ln in out.splitlines()[1:]}
+    assert "finished" in lines["a-N1-seed1"] and "ValueError: bad" in lines["a-N2-seed1"]
+    assert "requeued" in lines["b-N1-seed1"] and "saved checkpoint-6" in lines["b-N1-seed1"]
+    assert "queued" in lines["b-N2-seed1"] and "Priority" in lines["b-N2-seed1"]
+    assert "running" in lines["c-N1-seed1"] and "attempt 2" in lines["c-N1-seed1"]
+
+    monkeypatch.setattr(slurm_queue, "query", lambda ids: None)  # no squeue here: the records as written
+    status.print_status(str(tmp_path))
+    out = capsys.readouterr().out
+    assert "squeue did not answer" in out and "as last recorded" in out
