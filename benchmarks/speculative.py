@@ -89,12 +89,13 @@ def engine_run(args) -> dict:
 
     torch.set_num_threads(1)
     torch._dynamo.config.disable = True  # as generator processes run it (generation/engine/worker.py)
+    from async_rlhf.config.speculative import vllm_config
     from async_rlhf.generation.engine.vllm_backend import VLLMBackend
     from async_rlhf.types import SamplingSettings
 
     model, prompts, limit = _task(args.task)
     t0 = time.perf_counter()
-    backend = VLLMBackend(model, dtype="float32", speculative=args.method, num_speculative_tokens=args.tokens)
+    backend = VLLMBackend(model, dtype="float32", speculative_config=vllm_config(args.method, args.tokens))
     start = time.perf_counter() - t0
     settings = SamplingSettings(max_new_tokens=limit, temperature=1.0, n=args.n, seed=0)
     timed = prompts[:args.prompts]

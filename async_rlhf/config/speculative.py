@@ -7,9 +7,9 @@ token by token; on vLLM's CPU build that needs `spec_decode_cpu.py`):
 * "ngram": vLLM's prompt lookup (drafts the tokens that followed the last n-gram earlier in the same sequence);
 * "suffix": vLLM's suffix decoding (suffix trees over the prompt and earlier responses), which needs the
   `arctic-inference` package;
-* "history": our proposer (`history_proposer.py`) behind vLLM's `custom_class` interface: drafts from earlier
+* "history": our proposer (`experimental/speculative/history_proposer.py`) behind vLLM's `custom_class` interface: drafts from earlier
   sequences of the same engine, so from earlier completions of the same prompt in this run;
-* "auto": measured once per policy and machine (`generation/pool/speculative_choice.py`), then one of the above.
+* "auto": measured once per policy and machine (`experimental/speculative/choice.py`), then one of the above.
 
 Nothing here imports vLLM: the config checks run before any engine starts.
 """
@@ -20,7 +20,7 @@ import importlib.util
 
 METHODS = ("off", "ngram", "suffix", "history", "auto")
 MAX_TOKENS = 16  # vLLM accepts up to 128; beyond a few tokens the acceptance of cheap drafts is near zero
-HISTORY_CLASS = "async_rlhf.generation.engine.history_proposer.HistoryProposer"
+HISTORY_CLASS = "async_rlhf.experimental.speculative.history_proposer.HistoryProposer"
 NGRAM_MIN, NGRAM_MAX = 2, 4  # prompt-lookup n-gram lengths for "ngram"
 
 

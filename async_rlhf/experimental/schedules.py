@@ -12,6 +12,7 @@ from async_rlhf.experimental.elastic import make_elastic
 from async_rlhf.experimental.elastic_pool import ElasticGeneratorPool
 from async_rlhf.experimental.fused_reference import reference_parts
 from async_rlhf.experimental.partial_rollouts import PartialBatches
+from async_rlhf.experimental.speculative.choice import resolve_speculative
 from async_rlhf.experimental.tail_migration import HandoffEngine, TailMigration
 from async_rlhf.generation.pool.local import GeneratorPool
 from async_rlhf.pipeline.batch_forming import MakeBatchForming, WholeBatches
@@ -58,3 +59,11 @@ def pool_class(args) -> type[GeneratorPool]:
     """The local generator pool: one whose generators can be added and retired with `generator_autoscale`
     (`elastic_pool.py`); else the core's fixed `GeneratorPool`."""
     return ElasticGeneratorPool if args.generator_autoscale else GeneratorPool
+
+
+def before_spawn(args, workload, dtype: str) -> None:
+    """Decided once the generator backend is known, before any generator starts (`early_start.py`): with
+    `speculative="auto"`, which method (or none) pays on this policy and machine (`speculative/choice.py`; only vLLM
+    speculates: measured only for vLLM generators). `workload`: `backend_probe.Workload`, None if not measurable."""
+    if args.speculative == "auto":
+        resolve_speculative(args, workload if args.generator_backend == "vllm" else None, dtype)

@@ -33,7 +33,8 @@ class GeneratorPoolProtocol(Protocol):
     acks: AckTracker
     restarts: dict[int, int]  # generator id -> restarts so far
     places: dict[int, dict]  # generator id -> {device, where, weights}: where it runs and how its weights arrive
-    start_seconds: float  # time `start` took
+    start_seconds: float  # time `start` took (from the spawn, for processes spawned early)
+    start_wait_seconds: float  # of it, what the caller of `start` waited
 
     def start(self) -> None: ...
 

@@ -128,7 +128,7 @@ class RolloutPipeline:
             self.close()
             raise
         self.records.start_seconds = self.pool.start_seconds
-        self.records.start_wait_seconds = getattr(self.pool, "start_wait_seconds", self.pool.start_seconds)
+        self.records.start_wait_seconds = self.pool.start_wait_seconds
         self.pool_size = self.pool.num_generators
         self.forming.dispatch()
 
@@ -254,7 +254,8 @@ class RolloutPipeline:
             if partitions is not None:  # ZeRO-3 on the network: each rank keeps its partitions, no gather now
                 state = partitions.take(version)
             else:
-                state = gather_full_state(model, self.is_main, device=getattr(self.transport, "device", "cpu"))
+                state = gather_full_state(model, self.is_main,
+                                          device=self.transport.device if self.transport is not None else "cpu")
             t1 = time.perf_counter()
             if self.is_main and self._sync_failure is None:
                 try:
@@ -288,7 +289,7 @@ class RolloutPipeline:
             use = (self.args.weight_transport in ("network", "auto") and is_zero3_partitioned(model)
                    and dist.is_initialized() and dist.get_world_size() > 1)
             if use and self.args.weight_transport == "auto":
-                view = [bool(self.is_main and getattr(self.transport, "network_only", lambda: False)())]
+                view = [bool(self.is_main and self.transport.network_only())]
                 dist.broadcast_object_list(view, src=0)
                 use = view[0]
             if not use:
@@ -301,8 +302,8 @@ class RolloutPipeline:
                     logger.warning("weights: gathering the whole state at each sync, not keeping partitions: %s", exc)
                 self._partitions = False
                 return None
-            if self.is_main and hasattr(self.transport, "partitions"):
-                self.transport.partitions = self._partitions
+            if self.is_main:
+                self.transport.use_partitions(self._partitions)
         return self._partitions
 
     def check(self) -> None:

@@ -99,7 +99,7 @@ class AsyncTrainerBase(Trainer):
         init_kwargs = args.model_init_kwargs or {}
         self._early_pool = None if model_config is None else choose_backend_and_spawn(
             args, model, model_config, init_kwargs, train_dataset, processing_class, schedules.stream_engine(args),
-            schedules.pool_class(args))
+            schedules.pool_class(args), schedules.before_spawn)
         if self._early_pool is not None:
             self.timeline.mark("generators_spawned")
         try:

@@ -25,6 +25,7 @@ import torch
 
 from async_rlhf.errors import WeightTransportError
 from async_rlhf.types import WeightUpdate
+from async_rlhf.weight_sync.transport import WholeStates
 
 
 def gpu_uuid(device_index: int) -> str:
@@ -44,7 +45,7 @@ def rebuild(handles: dict[str, tuple], device_index: int) -> torch.Tensor:
     return rebuild_cuda_tensor(*args)
 
 
-class IpcWeightTransport:
+class IpcWeightTransport(WholeStates):
     name = "ipc"
 
     def __init__(self, device: torch.device) -> None:

@@ -102,9 +102,17 @@ class StateTransport:
         elif transport not in ("shm", "network"):
             raise ValueError(f"StateTransport carries shm and network updates, not {transport!r}")
 
+    device = "cpu"
+
     def network_only(self) -> bool:
         """Whether every generator in use takes the network (none needs a file of the whole state)."""
         return self.network and self._shm is None
+
+    def use_partitions(self, store: PartitionStore) -> None:
+        """From the next publish on, versions are rank 0's partitions (ZeRO-3 learners; `partitions.py`)."""
+        if not self.network_only():
+            raise ValueError("weights: partitions need every generator on the network transport")
+        self.partitions = store
 
     def publish(self, state: dict[str, torch.Tensor], version: int) -> WeightUpdate:
         path = self._shm.publish(state, version).path if self._shm is not None else ""

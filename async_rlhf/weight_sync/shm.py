@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 
 from async_rlhf.types import WeightUpdate
 from async_rlhf.weight_sync.shm_dirs import WEIGHTS_PREFIX, OwnedDir, remove_orphaned_dirs
+from async_rlhf.weight_sync.transport import WholeStates
 
 PREFIX = WEIGHTS_PREFIX
 SPACE_MARGIN = 1 << 20  # bytes left free beyond the file (safetensors header and rounding)
@@ -29,10 +30,11 @@ SPACE_MARGIN = 1 << 20  # bytes left free beyond the file (safetensors header an
 __all__ = ["ShmWeightTransport", "remove_orphaned_dirs"]
 
 
-class ShmWeightTransport:
+class ShmWeightTransport(WholeStates):
     """`weight_sync.transport.WeightTransport` over safetensors files in a RAM-backed directory."""
 
     name = "shm"
+    device = "cpu"
 
     def __init__(self, shm_dir: str = "/dev/shm"):
         if not os.path.isdir(shm_dir):

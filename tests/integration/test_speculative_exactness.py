@@ -26,6 +26,7 @@ import torch
 
 pytest.importorskip("vllm")
 
+from async_rlhf.config.speculative import vllm_config
 from async_rlhf.data.tiny_model import char_tokenizer, tiny_llama
 from async_rlhf.types import GenerationRequest, SamplingSettings
 
@@ -56,8 +57,8 @@ def policy(tmp_path_factory):
 def engine(policy):
     from async_rlhf.generation.engine.vllm_backend import VLLMBackend
 
-    backend = VLLMBackend(policy[0], dtype="float32", kv_cache_memory_bytes=64 << 20, speculative="ngram",
-                          num_speculative_tokens=4)
+    backend = VLLMBackend(policy[0], dtype="float32", kv_cache_memory_bytes=64 << 20,
+                          speculative_config=vllm_config("ngram", 4))
     yield backend
     backend.close()
 

@@ -29,9 +29,9 @@ dtype: vLLM's "auto" runs a float32 checkpoint in bfloat16 (CPU and GPU alike). 
 from exactly the learner's fp32 policy: on the tiny model bf16 behaviour log-probs differ from the transformers
 forward by up to 3e-3, float32 ones by 5e-7.
 
-Speculative decoding (`speculative`: "ngram", "suffix" or "history", `num_speculative_tokens` drafts per step; the
-options and their checks are in `async_rlhf/config/speculative.py`). vLLM proposes drafts, the policy scores them in one
-forward, and rejection sampling keeps each draft token with the policy's probability and resamples from the rest
+Speculative decoding: vLLM's own `speculative_config`, passed through (the run's `speculative` option is turned into
+one by `config/speculative.py`; our "history" proposer is `experimental/speculative/`). vLLM proposes drafts, the
+policy scores them in one forward, and rejection sampling keeps each draft token with the policy's probability and resamples from the rest
 otherwise, so samples and behaviour log-probs are the policy's (vLLM computes every returned log-prob from the target
 logits of its position, accepted, resampled or bonus). On the CPU build that holds only with `spec_decode_cpu.py`
 (its expand kernel fix; checked here after the engine starts). vLLM's speculation counters are read with
@@ -90,8 +90,7 @@ class VLLMBackend:
         # "shm": our async_rlhf_gloo backend (loads shm files and "network" updates); "ipc": colocated on learner
         # rank 0's GPU (vLLM's own "ipc" engine)
         weight_transport: str = "shm",
-        speculative: str = "off",  # "ngram" | "suffix" | "history": speculative decoding (async_rlhf/speculative.py)
-        num_speculative_tokens: int = 4,
+        speculative_config: dict | None = None,  # vLLM's own, passed through (`config/speculative.py` builds it)
     ) -> None:
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
@@ -110,14 +109,10 @@ class VLLMBackend:
             kv_cache_memory_bytes = kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-        from async_rlhf.config import speculative as spec
         from async_rlhf.generation.engine import spec_decode_cpu
         from async_rlhf.weight_sync import vllm_gloo_engine, vllm_shm_engine
 
-        spec.check(speculative, num_speculative_tokens, "vllm", servers=False)
-        if speculative == "auto":
-            raise ValueError("VLLMBackend(speculative='auto'): decide the method first (generation/pool/speculative_choice.py)")
-        self.speculative = speculative
+        self.speculative_config = speculative_config
         self.device = device
         self._params = vllm_gloo_engine.state_dict_meta(model_path)
         self._llm: LLM | None = LLM(
@@ -136,12 +131,12 @@ class VLLMBackend:
             logprobs_mode="processed_logprobs",
             worker_extension_cls=EXTENSION,
             weight_transfer_config={"backend": vllm_gloo_engine.BACKEND if weight_transport == "shm" else "ipc"},
-            speculative_config=spec.vllm_config(speculative, num_speculative_tokens),
-            disable_log_stats=speculative == "off",  # the speculation counters (`spec_counters`) are vLLM stats
+            speculative_config=speculative_config,
+            disable_log_stats=speculative_config is None,  # the speculation counters (`spec_counters`) are vLLM stats
         )
         # A second engine in this process re-registers the CPU platform's kernels (the broken expand among them)
         # without re-importing our worker extension, which fixed it for the first: fix it again, and check.
-        if speculative != "off":
+        if speculative_config is not None:
             spec_decode_cpu.install()
             if not spec_decode_cpu.installed():
                 raise RuntimeError("speculative decoding on vLLM's CPU build needs spec_decode_cpu's expand kernel, "
@@ -220,7 +215,7 @@ class VLLMBackend:
     def spec_counters(self) -> dict[str, int]:
         """Cumulative speculation counters of this engine: drafts (steps with a draft), draft tokens proposed,
         accepted draft tokens and emitted tokens ({} when speculation is off)."""
-        if self.speculative == "off":
+        if self.speculative_config is None:
             return {}
         out = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
         for metric in self.llm.get_metrics():

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Callable
 
 from async_rlhf.data.prompts import prompt_text
 from async_rlhf.generation.engine.worker import GeneratorSpec, generator_specs
@@ -29,7 +30,6 @@ from async_rlhf.generation.pool.backend_choice import resolve_generator_backend
 from async_rlhf.generation.pool.backend_probe import ROUNDS, Workload
 from async_rlhf.generation.pool.local import GeneratorPool
 from async_rlhf.generation.pool.placement import engine_kwargs
-from async_rlhf.generation.pool.speculative_choice import resolve_speculative
 from async_rlhf.pipeline.prompt_stream import total_steps
 from async_rlhf.types import SamplingSettings
 
@@ -38,11 +38,13 @@ logger = logging.getLogger(__name__)
 
 def choose_backend_and_spawn(args, model, model_config, init_kwargs: dict, train_dataset,
                              tokenizer, stream_engine: type | None = None,
-                             pool_class: type[GeneratorPool] = GeneratorPool) -> GeneratorPool | None:
+                             pool_class: type[GeneratorPool] = GeneratorPool,
+                             before_spawn: Callable | None = None) -> GeneratorPool | None:
     """The trainer's constructor, before the prompts are tokenized and any model loads: decide `generator_backend`
     ('auto': `backend_choice.py`, timed on one step of the dataset's first prompts where the policy has a directory)
     and spawn the generators (`spawn_early`; `stream_engine`: see `worker.GeneratorSpec`; `pool_class`: the local
-    pool an optional schedule needs, `choice.make_pool`)."""
+    pool an optional schedule needs, `choice.make_pool`). `before_spawn(args, workload, dtype)`: what an optional
+    schedule decides once the backend is known and before anything starts (`experimental/schedules.py`)."""
     path = model if isinstance(model, str) and os.path.isfile(os.path.join(model, "config.json")) else None
     dtype = (predicted_dtype(init_kwargs, model_config) if isinstance(model, str)
              else str(next(model.parameters()).dtype).removeprefix("torch."))
@@ -55,8 +57,8 @@ def choose_backend_and_spawn(args, model, model_config, init_kwargs: dict, train
                                 max(1, total_steps(args, len(train_dataset))), extra_prompt_token_ids=first[per:])
     architecture = (model_config.architectures or [type(model).__name__])[0]
     resolve_generator_backend(args, model_config, architecture, dtype, workload=workload)
-    if args.speculative == "auto":
-        resolve_speculative(args, workload if args.generator_backend == "vllm" else None, dtype)
+    if before_spawn is not None:
+        before_spawn(args, workload, dtype)
     return spawn_early(args, model, dtype, stream_engine, pool_class)
 
 

@@ -105,6 +105,7 @@ class HTTPGeneratorPool:
         self.restarts = {g: 0 for g in range(self.num_generators)}  # never restarted: kept for the run summary
         self.places: dict[int, dict] = {}  # server -> {device, where, weights}, once started
         self.start_seconds = 0.0
+        self.start_wait_seconds = 0.0
         self._servers: list[_Server] = []
         self._failed: dict[int, str] = {}
         self._lock = threading.Lock()
@@ -131,7 +132,7 @@ class HTTPGeneratorPool:
             raise StageTimeout(f"generator start: generator servers {self.addresses} not ready within "
                                f"generator_start_timeout={self.start_timeout:.0f}s")
         future.result()  # raises what `_start` raised
-        self.start_seconds = time.monotonic() - t0
+        self.start_seconds = self.start_wait_seconds = time.monotonic() - t0
 
     def close(self, timeout: float = 20.0) -> None:
         """Let the weight updates already sent finish (at most `timeout`), then cancel everything and stop."""

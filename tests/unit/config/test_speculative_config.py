@@ -11,7 +11,7 @@ import pytest
 
 from async_rlhf.config import speculative
 from async_rlhf.errors import ConfigError
-from async_rlhf.generation.engine import history_proposer
+from async_rlhf.experimental.speculative import history_proposer
 from async_rlhf.generation.serve import speculative_argv
 
 
@@ -86,7 +86,7 @@ def test_history_memory_is_bounded():
 
 
 def test_auto_turns_speculation_on_only_where_it_pays():
-    from async_rlhf.generation.pool.speculative_choice import choose
+    from async_rlhf.experimental.speculative.choice import choose
 
     off = {"tokens_per_s": 100.0}
     assert choose({"off": off, "ngram": {"tokens_per_s": 104.0, "accepted_length": 0.1}}) == "off"  # < 1.05x

@@ -17,13 +17,14 @@ from async_rlhf.pipeline.generator_pool import AckTracker
 from async_rlhf.pipeline.rollout_pipeline import RolloutPipeline
 from async_rlhf.types import SamplingSettings
 from async_rlhf.weight_sync.shm import ShmWeightTransport
+from async_rlhf.weight_sync.transport import WholeStates
 
 RANK_0 = types.SimpleNamespace(is_main_process=True, num_processes=1)
 
 
 class _Pool:
     num_generators = 1
-    start_seconds = 0.0
+    start_seconds = start_wait_seconds = 0.0
 
     def __init__(self):
         self.restarts, self.places = {0: 0}, {}
@@ -49,8 +50,9 @@ class _Pool:
         pass
 
 
-class _FullShm:
+class _FullShm(WholeStates):
     name = "shm"
+    device = "cpu"
 
     def publish(self, state, version):
         raise OSError(errno.ENOSPC, "No space left on device", "/dev/shm/async_rlhf-weights-x")

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 
+from async_rlhf.config import speculative
 from async_rlhf.config.speculative import suffix_available
 
 logger = logging.getLogger(__name__)
@@ -120,8 +121,8 @@ def _child(job_path: str) -> None:
 
     with open(job_path) as f:
         job = json.load(f)
-    backend = VLLMBackend(job["model"], dtype=job["dtype"], speculative=job["method"],
-                          num_speculative_tokens=job["tokens"])
+    backend = VLLMBackend(job["model"], dtype=job["dtype"],
+                          speculative_config=speculative.vllm_config(job["method"], job["tokens"]))
 
     def settings(seed):
         return SamplingSettings(max_new_tokens=job["max_new_tokens"], temperature=job["temperature"],

@@ -7,7 +7,7 @@ that followed the most recent earlier occurrence of its last n-gram (longest n f
 itself included (so it also does what vLLM's `ngram` prompt lookup does).
 
 Interface: vLLM 0.32's documented extension point for proposers, `speculative_config={"method": "custom_class",
-"model": "async_rlhf.generation.engine.history_proposer.HistoryProposer"}`
+"model": "async_rlhf.experimental.speculative.history_proposer.HistoryProposer"}`
 (`vllm/v1/spec_decode/custom_class_proposer.py`):
 built with the `VllmConfig`, called once per engine step with each running request's newly sampled tokens and its
 whole token row. That interface passes no request ids, so a row is recognised as the sequence seen there at the
