@@ -96,7 +96,7 @@ def feedback(summary: dict, args, learners: int) -> dict:
         predicted = predict(cfg)
         out = {"measured_step_seconds": measured, "predicted_step_seconds": predicted,
                "prediction_error": predicted / measured - 1 if measured else None}
-        devices = list(getattr(args, "generator_devices", []) or [])
+        devices = list(args.generator_devices or [])
         shared = not devices or any(d == "cpu" for d in devices)  # CPU: every process shares the same cores
         options = advise(cfg, learners, shared)
         if options and options[0]["step_seconds"] < predicted * (1 - MIN_GAIN):

@@ -16,7 +16,7 @@ FINAL_METRICS = ("objective/scores", "objective/kl", "objective/rlhf_reward", "l
 
 def _speculative(args, stats: dict) -> dict:
     """The method and, with speculation, its counters: {"method": "off"} without (`pipeline/records.py`)."""
-    out = {"method": getattr(args, "speculative", "off")}
+    out = {"method": args.speculative}
     if out["method"] != "off":
         out["num_speculative_tokens"] = args.num_speculative_tokens
         out.update({k.removeprefix("generator/spec_"): v for k, v in stats.items() if k.startswith("generator/spec_")})

@@ -132,7 +132,7 @@ def resolve_generator_backend(args, model_config, architecture: str, dtype: str,
     if args.generator_backend != "auto":
         return args.generator_backend
     reason = None if args.generator_servers else why_not_vllm(args, model_config, architecture, dtype, facts_fn)
-    speculative = getattr(args, "speculative", "off")
+    speculative = args.speculative
     if speculative == "auto" and reason is not None:  # nothing to measure: vLLM cannot serve the policy
         _say(args, f"speculative='auto': off (vLLM cannot serve the policy here: {reason})")
         args.speculative = speculative = "off"
@@ -145,7 +145,7 @@ def resolve_generator_backend(args, model_config, architecture: str, dtype: str,
     if reason is None:
         args.generator_backend = _measured_choice(args, model_config, dtype, workload)
         return args.generator_backend
-    if getattr(args, "partial_rollouts", 0):
+    if args.partial_rollouts:
         raise ConfigError(f"partial_rollouts: needs streaming vLLM generators, and generator_backend='auto' cannot "
                           f"use vLLM here: {reason}")
     if args.generation_mode == "stream":
