@@ -158,7 +158,9 @@ def main(argv: list[str]) -> int:
                 "signal_delay_s": args.signal_delay_s, "jobs": args.jobs})
             todo = [r for r in runs if not run_finished(os.path.join(output_dir, "runs", r.name), r.expects_eval)]
             script = slurm.render(resources, output_dir, max(1, len(todo)), slurm.job_name(output_dir))
-            if todo or not args.dry_run:
+            if args.dry_run and not slurm.slurm_here():  # show the plan and script on a machine without Slurm
+                script += "\n# (not checked against a cluster: no sbatch / sinfo on this machine)"
+            elif todo or not args.dry_run:
                 slurm.check_cluster(resources, script)
     except GridError as exc:
         print(f"[sweep] error: {exc}", file=sys.stderr, flush=True)

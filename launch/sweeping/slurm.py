@@ -44,6 +44,7 @@ from launch.sweeping.schedule import write_report
 
 MAX_TIME_LIMIT_REQUEUES = 3  # submitit's max_num_timeout: a cell that keeps hitting its time limit stops after this
 DEFAULT_SIGNAL_DELAY_S = 120
+SIGNAL_EARLY_S = 60  # sbatch(1), --signal: "the signal may be sent up to 60 seconds earlier than specified"
 
 
 class SlurmError(GridError):
@@ -104,9 +105,10 @@ def resources(grid: Grid, overrides: dict) -> Resources:
     if res.nodes_per_run > 1 and grid.launcher != "accelerate":
         raise SlurmError(f"--nodes_per_run {res.nodes_per_run}: a cell of several nodes starts its ranks with "
                          f"accelerate launch; the grid's launcher is {grid.launcher!r}")
-    if res.signal_delay_s >= res.time_minutes * 60:
-        raise SlurmError(f"--signal_delay_s {res.signal_delay_s} is not shorter than the time limit "
-                         f"({res.time_minutes:g} min = {res.time_minutes * 60:g} s)")
+    if res.signal_delay_s + SIGNAL_EARLY_S >= res.time_minutes * 60:  # else the signal can come before the cell runs
+        raise SlurmError(f"--signal_delay_s {res.signal_delay_s} + {SIGNAL_EARLY_S} s (Slurm may send the signal that "
+                         f"much early) is not shorter than the time limit ({res.time_minutes:g} min = "
+                         f"{res.time_minutes * 60:g} s)")
     owned = {"array", "output", "error", "signal", "open-mode", "job-name", "nodes", "ntasks-per-node",
              "cpus-per-task", "gpus-per-node", "mem", "time", "partition", "account"}
     taken = sorted(k for k in res.sbatch if k.replace("_", "-") in owned)
@@ -159,6 +161,11 @@ def render(res: Resources, output_dir: str, count: int, job_name: str) -> str:
     command = " ".join([shlex.quote(sys.executable), "-u -m submitit.core._submit", shlex.quote(folder)])
     return _make_sbatch_string(command=command, folder=folder, map_count=count if count > 1 else None,
                                **executor_parameters(res, job_name))
+
+
+def task_log(runs_dir: str, job_id: str) -> str:
+    """submitit's log of an array task (or a one-cell job): what the task printed outside the recipe."""
+    return os.path.join(os.path.dirname(runs_dir), "slurm", job_id, f"{job_id}_0_log.out")
 
 
 def job_name(output_dir: str) -> str:
@@ -220,9 +227,14 @@ def check_fits(res: Resources, partitions: dict[str, dict]) -> str:
     return name
 
 
+def slurm_here() -> bool:
+    """sbatch and sinfo are on PATH (a login node, or `scripts/slurm_local.sh up` ran here)."""
+    return bool(shutil.which("sbatch") and shutil.which("sinfo"))
+
+
 def check_cluster(res: Resources, script: str) -> str:
     """Every check against the cluster, then `sbatch --test-only` of the batch script; returns the partition."""
-    if not shutil.which("sbatch") or not shutil.which("sinfo"):
+    if not slurm_here():
         raise SlurmError("--backend slurm: sbatch / sinfo not found (run it on a Slurm login node; "
                          "`bash scripts/slurm_local.sh up` starts a one-node cluster on this machine)")
     out = subprocess.run(["sinfo", "-h", "-o", "%P|%c|%m|%G|%D"], capture_output=True, text=True, timeout=60)
@@ -303,6 +315,9 @@ def watch(runs: list[Run], ids: dict[str, str], runs_dir: str, poll_s: float = 5
                 state, detail = "failed", f"Slurm no longer knows job {ids[run.name]}, and the run did not finish"
             if state != seen.get(run.name):
                 seen[run.name] = state
+                if state == "failed" and (record or {}).get("status") in ("queued", "running", "requeued"):
+                    # the task ended without writing why (killed before or around the recipe): submitit's log says
+                    detail += f"; the task's own log: {task_log(runs_dir, ids[run.name])}"
                 if state in ("finished", "failed"):
                     done[run.name] = _outcome(run, record, state, detail)
                     line = (f"[sweep] [{len(done)}/{len(runs)}] {state:<8} {run.name}  job {ids[run.name]}"

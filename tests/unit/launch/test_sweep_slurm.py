@@ -63,7 +63,8 @@ def test_one_cell_is_a_plain_job_and_command_line_overrides_the_grid(tmp_path):
     ({"gpus_per_run": 3, "slurm": {"nodes_per_run": 2}}, {}, "--gpus_per_run 3 is not divisible by --nodes_per_run 2"),
     ({}, {"cpus_per_run": 0}, "--cpus_per_run (slurm.cpus_per_run): must be an integer >= 1, got 0"),
     ({"slurm": {"mem_gb": -1}}, {}, "--mem_gb (slurm.mem_gb): must be a number > 0, got -1"),
-    ({}, {"signal_delay_s": 600}, "--signal_delay_s 600 is not shorter than the time limit (5 min = 300 s)"),
+    ({}, {"signal_delay_s": 250}, "--signal_delay_s 250 + 60 s (Slurm may send the signal that much early) is not "
+                                  "shorter than the time limit (5 min = 300 s)"),
     ({"slurm": {"sbatch": {"time": "10"}}}, {}, "slurm.sbatch / --sbatch: time set by the sweep"),
     ({"launcher": "python", "accelerate_config": None, "slurm": {"nodes_per_run": 2}}, {},
      "--nodes_per_run 2: a cell of several nodes starts its ranks with accelerate launch"),
@@ -218,3 +219,16 @@ def test_status_combines_the_scheduler_and_the_run_directories(tmp_path, monkeyp
     status.print_status(str(tmp_path))
     out = capsys.readouterr().out
     assert "squeue did not answer" in out and "as last recorded" in out
+
+
+def test_dry_run_prints_plan_and_batch_script_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    """On a machine without Slurm the script is printed unchecked, and said so; nothing is written or submitted."""
+    from launch import sweep
+
+    monkeypatch.setattr(slurm, "slurm_here", lambda: False)
+    out = tmp_path / "out"
+    assert sweep.main(["--quick", "--output_dir", str(out), "--backend", "slurm", "--cpus_per_run", "1",
+                       "--dry_run"]) == 0
+    printed = capsys.readouterr().out
+    assert "8 to run" in printed and "#SBATCH --array=0-7%8" in printed and "#SBATCH --cpus-per-task=1" in printed
+    assert "not checked against a cluster" in printed and not out.exists()
