@@ -46,7 +46,7 @@ SLURM_KEYS = {  # a grid's `slurm:` mapping; launch/sweeping/slurm.py turns it i
     "partition": "the partition (default: the cluster's default partition)",
     "account": "the account to charge",
     "sbatch": "further sbatch options, passed through: {option: value} (e.g. {qos: high, constraint: a100})",
-    "signal_delay_s": "seconds before the time limit at which a cell is told to checkpoint and is requeued (default 120)",
+    "signal_delay_s": "seconds before the time limit at which a cell checkpoints and is requeued (default 120)",
 }
 ESTIMATE_KEYS = ("startup_seconds", "seconds_per_step")
 ALGORITHM_KEYS = ("recipe", "flags")

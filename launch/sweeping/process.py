@@ -47,7 +47,8 @@ def signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-_ERROR_LINE = re.compile(r"^[\w.]*(Error|Exception|Failed|Timeout|Interrupt)\w*: |^[\w.-]+\.py: error: ")  # or argparse's
+# an exception line, or argparse's `<script>.py: error: ...`
+_ERROR_LINE = re.compile(r"^[\w.]*(Error|Exception|Failed|Timeout|Interrupt)\w*: |^[\w.-]+\.py: error: ")
 
 
 def error_line(log_path: str) -> str:

@@ -5,7 +5,8 @@ in its directory (`sweep_run.json`).
 Guarantees: `expand` returns the runs in grid order with distinct names (or raises GridError); `check_run_dirs`
 refuses, before anything starts, a finished run whose recorded flags differ from the grid's (its numbers would
 silently mix two settings in one cell), a directory the sweep did not make, and a run an earlier, killed sweep
-left running (a local process group, or a Slurm job still queued or running). A record is replaced atomically (written aside, then renamed), so a reader never sees half of one.
+left running (a local process group, or a Slurm job still queued or running). A record is replaced atomically
+(written aside, then renamed), so a reader never sees half of one.
 """
 
 from __future__ import annotations

@@ -293,8 +293,9 @@ def cancel(ids: dict[str, str]) -> str:
 def _outcome(run: Run, record: dict | None, state: str, detail: str) -> dict:
     record = record or {}
     status = {"finished": "finished", "failed": "failed"}.get(state, state)
-    return {"name": run.name, "status": status, "returncode": record.get("returncode"), "seconds": record.get("seconds"),
-            "message": detail or record.get("message", ""), "job_id": record.get("job_id")}
+    return {"name": run.name, "status": status, "returncode": record.get("returncode"),
+            "seconds": record.get("seconds"), "message": detail or record.get("message", ""),
+            "job_id": record.get("job_id")}
 
 
 def watch(runs: list[Run], ids: dict[str, str], runs_dir: str, poll_s: float = 5.0) -> dict[str, dict]:
@@ -323,7 +324,8 @@ def watch(runs: list[Run], ids: dict[str, str], runs_dir: str, poll_s: float = 5
                     line = (f"[sweep] [{len(done)}/{len(runs)}] {state:<8} {run.name}  job {ids[run.name]}"
                             + (f"  {record.get('seconds') or 0:.0f}s" if record else ""))
                     if state == "failed":
-                        line += f"\n         {done[run.name]['message']}\n         log: {os.path.join(run_dir, 'log.txt')}"
+                        line += (f"\n         {done[run.name]['message']}"
+                                 f"\n         log: {os.path.join(run_dir, 'log.txt')}")
                     print(line, flush=True)
                 else:
                     print(f"[sweep] {state:<8} {run.name}  job {ids[run.name]}" + (f"  {detail}" if detail else ""),

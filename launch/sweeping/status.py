@@ -54,7 +54,7 @@ def cell_states(output_dir: str) -> tuple[list[dict], bool | None]:
 
 
 def print_status(output_dir: str) -> int:
-    if not os.path.isdir(os.path.join(output_dir, "runs")) and not os.path.isfile(os.path.join(output_dir, "grid.yaml")):
+    if not any(os.path.exists(os.path.join(output_dir, name)) for name in ("runs", "grid.yaml")):
         print(f"[sweep] error: {output_dir} is not a sweep's output directory (no runs/, no grid.yaml)")
         return 2
     cells, asked = cell_states(output_dir)
