@@ -111,6 +111,10 @@ class CellTask(submitit.helpers.Checkpointable):
             # poll, not wait(): the signal handler (checkpoint) must be able to wait on the process itself
             while self._proc.poll() is None:
                 time.sleep(0.5)
+            # Slurm's SIGTERM reaches every process: the launcher dies at once, the recipe finishes saving
+            deadline = time.monotonic() + self.grace
+            while process.group_alive(self._proc) and time.monotonic() < deadline:
+                time.sleep(0.2)
         signal.signal(signal.SIGTERM, previous)
         return self._conclude()
 

@@ -1,8 +1,9 @@
 """One run as an operating-system process: started in its own session (so its process group holds the launcher,
 the recipe and every generator process they start), stopped as a group, and explained by its log's error line.
 
-Guarantees: `stop` sends SIGTERM to each group (the recipe checkpoints and stops), waits up to `grace` seconds,
-then SIGKILLs the groups, whatever is left of them; a KeyboardInterrupt while waiting skips to SIGKILL. Signals to
+Guarantees: `stop` sends SIGTERM to each group (the recipe checkpoints and stops), waits up to `grace` seconds for
+every process of the groups to end (not only the launcher that leads it, which may die at once while its recipe
+still saves), then SIGKILLs the groups, whatever is left of them; a KeyboardInterrupt while waiting skips to SIGKILL. Signals to
 a group that is already gone are ignored. Nothing here knows about grids or runs.
 """
 
@@ -30,14 +31,35 @@ def stop(procs: list[subprocess.Popen], grace: float) -> None:
     for p in procs:
         signal_group(p, signal.SIGTERM)
     deadline = time.monotonic() + grace
-    try:
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+    try:  # the whole group, not its leader: `accelerate launch` dies on SIGTERM at once while its recipe saves
+        while any(group_alive(p) for p in procs) and time.monotonic() < deadline:
             time.sleep(0.2)
     except KeyboardInterrupt:
         print("[sweep] second interrupt: killing now", flush=True)
     for p in procs:
         signal_group(p, signal.SIGKILL)  # also reaps generator processes that outlived their parent
-        p.wait()
+        try:  # bounded: called from a signal handler (cell_task.py), a wait() could block on the interrupted poll
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def group_alive(proc: subprocess.Popen) -> bool:
+    """Whether a process of proc's group is still running (zombies aside); the leader is reaped first."""
+    proc.poll()
+    try:
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        fields = f.read().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                if int(fields[2]) == proc.pid and fields[0] != "Z":  # fields after the name: state, ppid, pgrp
+                    return True
+        return False
+    except OSError:  # no /proc: the leader alone
+        return proc.poll() is None
 
 
 def signal_group(proc: subprocess.Popen, sig: int) -> None:

@@ -4,6 +4,7 @@ multi-node launcher command. The cluster itself is tests/integration/test_sweep_
 
 from __future__ import annotations
 
+import os
 import pathlib
 import sys
 
@@ -232,3 +233,28 @@ def test_dry_run_prints_plan_and_batch_script_and_writes_nothing(tmp_path, monke
     printed = capsys.readouterr().out
     assert "8 to run" in printed and "#SBATCH --array=0-7%8" in printed and "#SBATCH --cpus-per-task=1" in printed
     assert "not checked against a cluster" in printed and not out.exists()
+
+
+def test_stop_waits_for_a_recipe_that_outlives_its_launcher(tmp_path):
+    """`accelerate launch` dies at once on SIGTERM while its recipe finishes its step and saves: stopping the group
+    waits for the recipe (here: 1 s of saving), not only for the launcher that leads the group."""
+    import subprocess
+    import time
+
+    from launch.sweeping import process
+
+    ready, saved = tmp_path / "ready", tmp_path / "saved"
+    child = (f"import signal, time\ngot = []\nsignal.signal(signal.SIGTERM, lambda *a: got.append(1))\n"
+             f"open({str(ready)!r}, 'w').close()\nwhile not got:\n    time.sleep(0.02)\ntime.sleep(1.0)\n"
+             f"open({str(saved)!r}, 'w').close()\n")
+    leader = f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {child!r}])\ntime.sleep(60)\n"
+    with open(tmp_path / "log", "w") as log:
+        proc = process.start([sys.executable, "-c", leader], log, dict(os.environ))
+    deadline = time.monotonic() + 30
+    while not ready.exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    process.stop([proc], grace=20)
+    assert saved.exists() and time.monotonic() - t0 < 10
+    assert proc.returncode == -15 and not process.group_alive(proc)  # the launcher died of SIGTERM at once
