@@ -96,6 +96,12 @@ def length_reward(completions, **kwargs):
     return [float(len(c)) for c in completions]
 
 
+def distinct_reward(completions, **kwargs):
+    """Upstream's reward of test_train_with_reward_func_accessing_trainer_state: distinct characters. (The tiny
+    random policy rarely ends within 8 tokens, so lengths barely vary; a group of equal rewards moves nothing.)"""
+    return [float(len(set(c))) for c in completions]
+
+
 def _standard(zen_prompts):
     data = zen_prompts("standard_prompt_only")
     return data.add_column("some_values", [float(i % 3 + 1) for i in range(len(data))])
@@ -263,7 +269,7 @@ CASES = {
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("case", list(CASES))
 def test_train_one_option(case, impl, compat_dirs, zen_prompts, tmp_path):
-    trainer = _trainer(impl, tmp_path, CASES[case], model=compat_dirs["policy"], reward_funcs=length_reward,
+    trainer = _trainer(impl, tmp_path, CASES[case], model=compat_dirs["policy"], reward_funcs=distinct_reward,
                        train_dataset=zen_prompts("standard_prompt_only"))
     _train_and_check(trainer)
 
@@ -292,6 +298,6 @@ def test_warning_raised_all_rewards_none(impl, compat_dirs, zen_prompts, tmp_pat
 def test_trl_trains_more_generations_than_a_micro_batch_holds(compat_dirs, zen_prompts, tmp_path):
     """The control of ours' refusal above: TRL's test_train_num_generations_larger_than_batch_size."""
     trainer = _trainer("trl", tmp_path, {"num_generations": 6, "gradient_accumulation_steps": 2},
-                       model=compat_dirs["policy"], reward_funcs=length_reward,
+                       model=compat_dirs["policy"], reward_funcs=distinct_reward,
                        train_dataset=zen_prompts("standard_prompt_only"))
     _train_and_check(trainer)
