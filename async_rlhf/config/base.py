@@ -5,7 +5,8 @@ rewards); the optional schedules' fields are declared with their checks in `conf
 `config/algorithms.py` adds each learner's own fields (online DPO, RLOO, PPO, GRPO, best-of-n) with TRL 1.16's
 names. Every field is validated in
 `__post_init__`, before any model loads, with a message naming the field: first the type (and finiteness) of
-every field we declare (`config/checks.py`), then ranges and relations.
+every field we declare, then ranges and relations, all in `config/checks.py` (`check_types`, `check_ranges`, the
+option pairs refused in `UNSUPPORTED`); an algorithm's own fields are checked by its class (`algorithms.py`).
 """
 
 from __future__ import annotations
@@ -16,38 +17,29 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from async_rlhf.config.checks import (
+from async_rlhf.config.checks import (  # noqa: F401  (ROLLOUT_TIMEOUT_MARGIN: read by tests)
+    ROLLOUT_TIMEOUT_MARGIN,
     check_combinations,
     check_counts,
     check_dir,
     check_elastic,
     check_generator_servers,
+    check_ranges,
     check_types,
     check_weight_transport,
     choose_transport,
     comma_list,
 )
+from async_rlhf.config.checks import require as _require  # also the algorithms' configs' (config/algorithms.py)
 from async_rlhf.config.experimental import ExperimentalFields
 from async_rlhf.config.trl_fields import apply_trl_fields
-from async_rlhf.errors import ConfigError
 
-GENERATOR_BACKENDS = ("auto", "vllm", "transformers")
-GENERATION_MODES = ("auto", "stream", "batch")
-WEIGHT_LOADS = ("drain", "in_flight")
-ASSIGNMENTS = ("tokens", "count")
-REWARD_FAILURE_POLICIES = ("raise", "skip")
-ROLLOUT_TIMEOUT_MARGIN = 60  # seconds: rank 0 publishes weights and dispatches before it starts waiting for rollouts
 
 
 def _cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
-
-
-def _require(condition: bool, field_name: str, message: str) -> None:
-    if not condition:
-        raise ConfigError(f"{field_name}: {message}")
 
 
 @dataclass
@@ -320,20 +312,9 @@ class AsyncRLConfig(ExperimentalFields, TrainingArguments):
                 f"max_staleness={self.max_staleness}. Set either num_mini_batches or those two.",
             )
             self.sync_every, self.max_staleness = n, n - 1
-        _require(isinstance(self.max_staleness, int) and self.max_staleness >= 0, "max_staleness",
-                 f"must be an integer >= 0, got {self.max_staleness!r}")
-        _require(self.sync_every >= 1, "sync_every", f"must be >= 1, got {self.sync_every}")
-        _require(
-            self.sync_every <= self.max_staleness + 1,
-            "sync_every",
-            f"sync_every={self.sync_every} with max_staleness={self.max_staleness}: weights that change only every "
-            f"{self.sync_every} steps can never be fresh enough. Use sync_every <= max_staleness + 1.",
-        )
-        _require(self.generator_backend in GENERATOR_BACKENDS, "generator_backend",
-                 f"{self.generator_backend!r} is not one of {GENERATOR_BACKENDS}")
-        for name, allowed in (("generation_mode", GENERATION_MODES), ("weight_load", WEIGHT_LOADS),
-                              ("generator_assignment", ASSIGNMENTS)):
-            _require(getattr(self, name) in allowed, name, f"{getattr(self, name)!r} is not one of {allowed}")
+        if self.generator_threads is None:
+            self.generator_threads = max(1, (os.cpu_count() or 2) // 2)
+        check_ranges(self)
         check_generator_servers(self)
         check_counts(self)
         self.check_experimental()
@@ -341,36 +322,9 @@ class AsyncRLConfig(ExperimentalFields, TrainingArguments):
         check_combinations(self)
         check_dir("shm_dir", self.shm_dir)
         check_weight_transport(self)
-        _require(self.reward_failure in REWARD_FAILURE_POLICIES, "reward_failure",
-                 f"{self.reward_failure!r} is not one of {REWARD_FAILURE_POLICIES}")
-        _require(len(self.generator_devices) >= 1, "generator_devices", "needs at least one device")
-        for dev in self.generator_devices:
-            _require(dev == "cpu" or (dev.startswith("cuda:") and dev[5:].isdigit()), "generator_devices",
-                     f"{dev!r} is not 'cpu' or 'cuda:<index>'")
-        _require(self.num_generations >= self.min_generations, "num_generations",
-                 f"must be >= {self.min_generations} for {type(self).__name__}, got {self.num_generations}")
-        _require(self.max_new_tokens >= 1, "max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
-        _require(self.max_new_tokens < self.max_length, "max_new_tokens",
-                 f"max_new_tokens={self.max_new_tokens} must be < max_length={self.max_length} (prompt needs room)")
-        _require(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
-        _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
-        _require(self.top_k >= 0, "top_k", f"must be >= 0, got {self.top_k}")
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # other ranks wait for rank 0's rollouts in a collective
-            _require(self.rollout_timeout + ROLLOUT_TIMEOUT_MARGIN <= self.ddp_timeout, "rollout_timeout",
-                     f"rollout_timeout={self.rollout_timeout:g} s with ddp_timeout={self.ddp_timeout} s: learner ranks "
-                     f"other than 0 wait for the rollouts inside a collective that fails after ddp_timeout, so "
-                     f"rollout_timeout must be at most ddp_timeout - {ROLLOUT_TIMEOUT_MARGIN} s. Raise ddp_timeout "
-                     "or lower rollout_timeout.")
         if not _cuda_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1 and self.ddp_backend is None:
             # several CPU learner ranks: accelerate's multi-GPU launcher on a CPU-only machine needs gloo
             self.ddp_backend, self.use_cpu = "gloo", True
-        _require(self.save_total_limit != 1, "save_total_limit",
-                 "1 would delete the last valid checkpoint while the next one is being written; use >= 2 or None")
-        if self.generator_threads is None:
-            self.generator_threads = max(1, (os.cpu_count() or 2) // 2)
-        _require(self.generator_threads >= 1, "generator_threads", f"must be >= 1, got {self.generator_threads}")
-        _require(self.learner_threads is None or self.learner_threads >= 1, "learner_threads",
-                 f"must be >= 1 or None, got {self.learner_threads}")
         if self.disable_tqdm is None and not sys.stderr.isatty():
             # Piped or written to a file, tqdm's bar is one "\r"-separated redraw per step, blanked with spaces before
             # every metric dict: viewers that break lines at "\r" (CI logs, `tee`d files) show a column of blank lines

@@ -60,6 +60,58 @@ SINGLE_FOR_LIST = ("generator_devices", "generator_servers", "generator_autoscal
 MIN_FREE_BYTES = 16 << 20  # below this a directory we write weights into is certainly too full
 
 
+GENERATOR_BACKENDS = ("auto", "vllm", "transformers")
+GENERATION_MODES = ("auto", "stream", "batch")
+WEIGHT_LOADS = ("drain", "in_flight")
+ASSIGNMENTS = ("tokens", "count")
+REWARD_FAILURE_POLICIES = ("raise", "skip")
+ROLLOUT_TIMEOUT_MARGIN = 60  # seconds: rank 0 publishes weights and dispatches before it starts waiting for rollouts
+
+
+def require(condition: bool, field_name: str, message: str) -> None:
+    """Raise `ConfigError("<field>: <message>")` unless `condition`."""
+    if not condition:
+        raise ConfigError(f"{field_name}: {message}")
+
+
+def check_ranges(config) -> None:
+    """Every range and choice of `AsyncRLConfig`'s own fields, and the relations between them (after `check_types`
+    and the `num_mini_batches` derivation); each error names the field and the values at stake."""
+    require(isinstance(config.max_staleness, int) and config.max_staleness >= 0, "max_staleness",
+            f"must be an integer >= 0, got {config.max_staleness!r}")
+    require(config.sync_every >= 1, "sync_every", f"must be >= 1, got {config.sync_every}")
+    require(config.sync_every <= config.max_staleness + 1, "sync_every",
+            f"sync_every={config.sync_every} with max_staleness={config.max_staleness}: weights that change only "
+            f"every {config.sync_every} steps can never be fresh enough. Use sync_every <= max_staleness + 1.")
+    for name, allowed in (("generator_backend", GENERATOR_BACKENDS), ("generation_mode", GENERATION_MODES),
+                          ("weight_load", WEIGHT_LOADS), ("generator_assignment", ASSIGNMENTS),
+                          ("reward_failure", REWARD_FAILURE_POLICIES)):
+        require(getattr(config, name) in allowed, name, f"{getattr(config, name)!r} is not one of {allowed}")
+    require(len(config.generator_devices) >= 1, "generator_devices", "needs at least one device")
+    for dev in config.generator_devices:
+        require(dev == "cpu" or (dev.startswith("cuda:") and dev[5:].isdigit()), "generator_devices",
+                f"{dev!r} is not 'cpu' or 'cuda:<index>'")
+    require(config.num_generations >= config.min_generations, "num_generations",
+            f"must be >= {config.min_generations} for {type(config).__name__}, got {config.num_generations}")
+    require(config.max_new_tokens >= 1, "max_new_tokens", f"must be >= 1, got {config.max_new_tokens}")
+    require(config.max_new_tokens < config.max_length, "max_new_tokens",
+            f"max_new_tokens={config.max_new_tokens} must be < max_length={config.max_length} (prompt needs room)")
+    require(config.temperature >= 0, "temperature", f"must be >= 0, got {config.temperature}")
+    require(0 < config.top_p <= 1, "top_p", f"must be in (0, 1], got {config.top_p}")
+    require(config.top_k >= 0, "top_k", f"must be >= 0, got {config.top_k}")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # other ranks wait for rank 0's rollouts in a collective
+        require(config.rollout_timeout + ROLLOUT_TIMEOUT_MARGIN <= config.ddp_timeout, "rollout_timeout",
+                f"rollout_timeout={config.rollout_timeout:g} s with ddp_timeout={config.ddp_timeout} s: learner "
+                f"ranks other than 0 wait for the rollouts inside a collective that fails after ddp_timeout, so "
+                f"rollout_timeout must be at most ddp_timeout - {ROLLOUT_TIMEOUT_MARGIN} s. Raise ddp_timeout "
+                "or lower rollout_timeout.")
+    require(config.save_total_limit != 1, "save_total_limit",
+            "1 would delete the last valid checkpoint while the next one is being written; use >= 2 or None")
+    require(config.generator_threads >= 1, "generator_threads", f"must be >= 1, got {config.generator_threads}")
+    require(config.learner_threads is None or config.learner_threads >= 1, "learner_threads",
+            f"must be >= 1 or None, got {config.learner_threads}")
+
+
 class _Refused(ValueError):
     pass
 

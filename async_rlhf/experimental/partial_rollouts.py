@@ -238,6 +238,7 @@ class PartialBatches:
                  max_oldest_staleness: int | None):
         self.p = access
         self.setting = setting
+        self.max_oldest_staleness = max_oldest_staleness
         self.partial = PartialRollouts(prompts_per_step, max_staleness, setting, access.send, max_oldest_staleness)
 
     def restore(self, version: int, pending: list[RolloutBatch], counters: dict) -> None:
@@ -268,6 +269,15 @@ class PartialBatches:
     def stats(self) -> dict[str, float]:
         return self.partial.stats()
 
-    def summary(self) -> dict[str, dict]:
-        """For the run summary: groups carried across steps, and dropped for staleness."""
-        return {"partial_rollouts": {k.split("/")[1]: v for k, v in self.partial.stats().items()}}
+    def summary(self) -> dict:
+        """For the run summary: groups carried across steps, and dropped for staleness; the staleness rule
+        (`staleness_bound`: "oldest" bounds every token by max_staleness, "newest" the newest token by it and the
+        oldest by max_oldest_staleness)."""
+        newest = self.max_oldest_staleness is not None
+        return {"partial_rollouts": {k.split("/")[1]: v for k, v in self.partial.stats().items()},
+                "staleness_bound": "newest" if newest else "oldest", "max_oldest_staleness": self.max_oldest_staleness,
+                **({"bound_rule": f"on the newest token, {self.max_oldest_staleness} on the oldest"} if newest else {})}
+
+    def describe(self, batch: RolloutBatch) -> dict:
+        """For the trained-batch record: each group's place in the prompt stream and its version span."""
+        return {"groups": batch.origins, "group_versions": batch.group_versions()} if batch.origins else {}

@@ -68,6 +68,8 @@ class BatchForming(Protocol):
 
     def summary(self) -> dict: ...  # {key of the run summary: its content}; {}: nothing to add
 
+    def describe(self, batch: RolloutBatch) -> dict: ...  # more fields of a trained batch's record; {}: none
+
 
 class WholeBatches:
     """The core schedule (see the module docstring)."""
@@ -140,4 +142,7 @@ class WholeBatches:
         return {}
 
     def summary(self) -> dict:
+        return {}
+
+    def describe(self, batch: RolloutBatch) -> dict:
         return {}

@@ -203,6 +203,10 @@ class RolloutPipeline:
             return self._step_batch.select(list(range(micro * count, (micro + 1) * count)))
         return self._on_every_rank(lambda: self._take_micro(step, micro, micro_batches, count))
 
+    def describe(self, batch: RolloutBatch) -> dict:
+        """What the batch schedule adds to the record of a trained batch (`trained_batches.jsonl`); {}: nothing."""
+        return self.forming.describe(batch)
+
     @property
     def trained_batch(self) -> RolloutBatch | None:
         return self._step_batch  # the whole batch of the step whose micro-batches were taken last (rank 0)

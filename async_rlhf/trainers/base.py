@@ -262,8 +262,7 @@ class AsyncTrainerBase(Trainer):
         with open(os.path.join(self.args.output_dir, "trained_batches.jsonl"), "a") as f:
             record = {"step": step, "policy_version": batch.policy_version, "prompt_ids": batch.prompt_ids,
                       "sample_versions": batch.sample_versions()}
-            if batch.origins:  # partial rollouts: each group's place in the prompt stream and its version span
-                record.update(groups=batch.origins, group_versions=batch.group_versions())
+            record.update(self.pipeline.describe(batch))  # what the batch schedule adds (partial rollouts: groups)
             f.write(json.dumps(record) + "\n")
 
     # ---- the algorithm hook --------------------------------------------------------------------------------

@@ -67,10 +67,8 @@ def build_summary(pipeline, args, accelerator, steps: int, wall: float, loop_sec
         "regenerated": p.regenerated,
         "rewards_skipped": rewards_skipped,
         "max_staleness": args.max_staleness,
-        # the rule (`staleness_bound`): "oldest" bounds every token by max_staleness; "newest" bounds the newest token
-        # by it and the oldest by max_oldest_staleness (the histogram counts steps behind of each batch's oldest token)
-        "staleness_bound": args.staleness_bound,
-        "max_oldest_staleness": args.max_oldest_staleness,
+        # what max_staleness bounds: every token of a sample, unless a batch schedule says otherwise ("bound_rule", from
+        # its summary; the histogram counts steps behind of each batch's oldest token)
         "sync_every": args.sync_every,
         "learners": {"processes": accelerator.num_processes,
                      "distributed_type": accelerator.distributed_type.value,
@@ -108,8 +106,7 @@ def format_summary(s: dict) -> str:
         f"generators, {s['sync_bytes'] / 1e6:.1f} MB)" + (f" | evaluating {s['eval_seconds']:.1f}s (not in training)"
                                                         if s.get("eval_seconds") else ""),
         f"staleness histogram (steps behind: batches) {{{hist}}} | bound {s['max_staleness']}"
-        + (f" on the newest token, {s['max_oldest_staleness']} on the oldest" if s.get("staleness_bound") == "newest"
-           else "") + " | dropped "
+        + (f" {s['bound_rule']}" if s.get("bound_rule") else "") + " | dropped "
         f"{s['dropped']} | regenerated {s['regenerated']} | rewards skipped {s['rewards_skipped']}",
         f"final: {final}",
     ] + ([_format_places(s["generator_places"])] if s.get("generator_places") else [])

@@ -128,8 +128,7 @@ STILL_IN_CORE = {
     "generation/pool/backend_choice.py": {"partial_rollouts", "speculative"},
     "generation/pool/placement.py": {"generator_autoscale_devices", "num_speculative_tokens", "speculative"},
     "generation/serve.py": {"speculative"},
-    "trainers/base.py": {"origins"},
-    "trainers/run_summary.py": {"max_oldest_staleness", "num_speculative_tokens", "speculative", "staleness_bound"},
+    "trainers/run_summary.py": {"num_speculative_tokens", "speculative"},
     "types.py": {"origins", "ref_logprobs"},
 }
 
