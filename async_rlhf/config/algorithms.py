@@ -144,10 +144,12 @@ class AsyncGroupRLConfig(AsyncPolicyGradientConfig):
     chat_template_kwargs: dict | str | None = field(default=None, metadata={"help": "TRL: no-op (the tokenizer's "
                                                                                    "chat template is applied as is)."})
     router_aux_loss_coef: float | None = field(default=None, metadata={"help": "TRL: no-op (no MoE aux loss)."})
-    sync_ref_model: bool = field(default=False, metadata={"help": "TRL: no-op unless False (the reference stays "
-                                                                  "the initial policy)."})
-    ref_model_mixup_alpha: float = field(default=0.6, metadata={"help": "TRL: used with sync_ref_model only."})
-    ref_model_sync_steps: int = field(default=512, metadata={"help": "TRL: used with sync_ref_model only."})
+    sync_ref_model: bool = field(default=False, metadata={"help": "TRL: every ref_model_sync_steps steps the "
+                                                                  "reference becomes alpha x policy + (1 - alpha) x "
+                                                                  "reference (TR-DPO); not with LoRA, DeepSpeed or "
+                                                                  "a fused reference."})
+    ref_model_mixup_alpha: float = field(default=0.6, metadata={"help": "TRL: alpha of sync_ref_model."})
+    ref_model_sync_steps: int = field(default=512, metadata={"help": "TRL: steps between reference syncs."})
     log_completions: bool = field(default=False, metadata={"help": "TRL: no-op (every trained batch is in "
                                                                    "trained_batches.jsonl)."})
     log_multimodal: bool = field(default=True, metadata={"help": "TRL: no-op (text policies only)."})

@@ -29,7 +29,8 @@ TRL 1.16 `GRPOConfig` / `RLOOConfig` fields on the group learners (`AsyncGroupRL
 `apply_group_fields`:
 * mapped: `max_completion_length` <-> `max_new_tokens` (either; TRL's name wins where both are set; 512 when
   neither is, TRL's default);
-  `vllm_max_model_length` -> `vllm_max_model_len`; `per_device_train_batch_size`, `generation_batch_size` and
+  `vllm_max_model_length` -> `vllm_max_model_len`; `sync_ref_model` with `ref_model_mixup_alpha` and
+  `ref_model_sync_steps` mix the policy into the reference as TRL does (`trainers/policy_gradient.SyncReference`); `per_device_train_batch_size`, `generation_batch_size` and
   `steps_per_generation` count completions, with TRL's rules and error messages; a `steps_per_generation` of m x
   `gradient_accumulation_steps` (m > 1) is `num_mini_batches` m, TRL's meaning (m steps trained on completions of
   one policy), a divisor of `gradient_accumulation_steps` changes nothing (a step's policy is one either way).
@@ -38,7 +39,7 @@ TRL 1.16 `GRPOConfig` / `RLOOConfig` fields on the group learners (`AsyncGroupRL
   num_generations (micro-batches hold whole prompt groups here), a steps_per_generation that straddles optimizer
   steps.
 * no-op, in the same one warning as above (`GROUP_NO_OPS`): logging and engine options of TRL's in-process
-  generation, the reference-model sync, the entropy bonus and masking, TRL's vLLM importance-sampling correction
+  generation, the entropy bonus and masking, TRL's vLLM importance-sampling correction
   (here `off_policy_correction` does that job), the 'vespo' loss's parameters.
 """
 
@@ -75,9 +76,6 @@ GROUP_NO_OPS = {
     "pad_to_multiple_of": (None, "rows are padded to the longest of their length bucket"),
     "chat_template_kwargs": (None, "conversational prompts are rendered with the tokenizer's template as is"),
     "router_aux_loss_coef": (None, "no mixture-of-experts auxiliary loss is added"),
-    "sync_ref_model": (False, "the reference model stays the initial policy"),
-    "ref_model_mixup_alpha": (0.6, "used only with sync_ref_model"),
-    "ref_model_sync_steps": (512, "used only with sync_ref_model"),
     "log_completions": (False, "every trained batch's prompts are in trained_batches.jsonl; no table is printed"),
     "log_multimodal": (True, "text policies only"),
     "num_completions_to_print": (None, "no completions table is printed"),
@@ -130,6 +128,10 @@ def apply_group_fields(config) -> None:
         config.vllm_max_model_len = config.vllm_max_model_length
     if config.use_transformers_paged:
         config.use_transformers_continuous_batching = True
+    if not 0 < config.ref_model_mixup_alpha <= 1:
+        raise ConfigError(f"ref_model_mixup_alpha: must be in (0, 1], got {config.ref_model_mixup_alpha}")
+    if config.ref_model_sync_steps < 1:
+        raise ConfigError(f"ref_model_sync_steps: must be >= 1, got {config.ref_model_sync_steps}")
     if config.num_iterations != 1:
         raise ConfigError(f"num_iterations: only 1 is supported (one optimizer step per batch; how stale a batch may "
                           f"be is max_staleness's), got {config.num_iterations}")

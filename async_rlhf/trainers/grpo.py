@@ -26,7 +26,13 @@ from async_rlhf.learner.logprobs import sequence_terms
 from async_rlhf.losses.grpo import grpo_advantages, grpo_loss
 from async_rlhf.scoring.rewards import trl_reward_arguments
 from async_rlhf.trainers.base import AsyncTrainerBase
-from async_rlhf.trainers.policy_gradient import common_metrics, policy_terms, ratio_denominator, trl_metrics
+from async_rlhf.trainers.policy_gradient import (
+    SyncReference,
+    common_metrics,
+    policy_terms,
+    ratio_denominator,
+    trl_metrics,
+)
 from async_rlhf.trainers.trl_compat import prepare_group_args
 
 
@@ -45,6 +51,8 @@ class AsyncGRPOTrainer(AsyncTrainerBase):
                          reward_processing_classes=reward_processing_classes, peft_config=peft_config,
                          callbacks=callbacks, optimizers=optimizers)
         trl_reward_arguments(self.scorer, self)
+        if self.args.sync_ref_model:  # TRL's reference sync (policy_gradient.SyncReference)
+            self.add_callback(SyncReference(self))
         # TRL's public attributes after construction
         self.reward_funcs = self.scorer.funcs  # callables and loaded reward models, in order
         self.reward_weights = self.scorer.weights

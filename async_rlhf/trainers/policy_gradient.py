@@ -15,6 +15,8 @@ correction; with one, `policy/is_ess` is that of the weights the loss applied.
 `completions/clipped_ratio`, `completions/{mean,min,max}_terminated_length`, `entropy` and, with beta != 0, `kl`.
 `entropy` here is the sampled tokens' mean -log π (a Monte Carlo estimate of the policy's entropy at the sampling
 temperature: TRL's is the exact entropy of each position's distribution, which our forwards do not keep).
+
+`SyncReference` is TRL's `sync_ref_model` for the group learners (GRPO, RLOO).
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
+from transformers import TrainerCallback
+
+from async_rlhf.errors import ConfigError
 from async_rlhf.learner.logprobs import SequenceTerms
 from async_rlhf.losses.off_policy import log_ratio_stats
 from async_rlhf.types import ScoredGroup
@@ -93,3 +98,34 @@ def trl_metrics(trainer, t: PolicyTerms) -> dict[str, float]:
     trainer.state.num_input_tokens_seen += int(tokens.item())
     trainer._metrics["num_tokens"] = [float(trainer.state.num_input_tokens_seen)]
     return out
+
+
+class SyncReference(TrainerCallback):
+    """TRL's `sync_ref_model` (TR-DPO, arXiv:2404.09656): after every `ref_model_sync_steps`-th optimizer step,
+    π_ref ← α·π + (1 − α)·π_ref with α = `ref_model_mixup_alpha`, as TRL's `SyncRefModelCallback`. The reference is
+    not checkpointed (nor is TRL's): a resumed run starts it again from the initial policy. Refused where the
+    reference is not a plain module of this process that only the main thread reads: a LoRA policy (the reference
+    is the base with adapters off), DeepSpeed engines, a schedule whose scoring thread runs it."""
+
+    def __init__(self, trainer):
+        if trainer.ref_model is None:
+            raise ConfigError("sync_ref_model: a LoRA policy's reference is its base with the adapters off; there is "
+                              "no separate reference to sync")
+        if trainer.is_deepspeed_enabled:
+            raise ConfigError("sync_ref_model: not built under DeepSpeed (the reference is an engine of its own)")
+        if trainer.fuses_reference():
+            raise ConfigError("sync_ref_model: the scoring thread runs the reference here (an optional schedule), "
+                              "while the sync would change it; turn that schedule off")
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % args.ref_model_sync_steps == 0:
+            policy = self.trainer.accelerator.unwrap_model(self.trainer.model)
+            mix_into(self.trainer.ref_model, policy, args.ref_model_mixup_alpha)
+
+
+@torch.no_grad()
+def mix_into(target: torch.nn.Module, source: torch.nn.Module, alpha: float) -> None:
+    """target ← alpha·source + (1 − alpha)·target, parameter by parameter (both with the same parameters)."""
+    for t, s in zip(target.parameters(), source.parameters(), strict=True):
+        t.mul_(1.0 - alpha).add_(s.detach().to(t.dtype), alpha=alpha)

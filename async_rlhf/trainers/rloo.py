@@ -21,7 +21,13 @@ from async_rlhf.losses.ppo import whiten
 from async_rlhf.losses.rloo import kl_shaped_rewards, rloo_advantages, rloo_loss
 from async_rlhf.scoring.rewards import trl_reward_arguments
 from async_rlhf.trainers.base import AsyncTrainerBase
-from async_rlhf.trainers.policy_gradient import common_metrics, policy_terms, ratio_denominator, trl_metrics
+from async_rlhf.trainers.policy_gradient import (
+    SyncReference,
+    common_metrics,
+    policy_terms,
+    ratio_denominator,
+    trl_metrics,
+)
 from async_rlhf.trainers.trl_compat import prepare_group_args
 
 
@@ -42,6 +48,8 @@ class AsyncRLOOTrainer(AsyncTrainerBase):
                          reward_processing_classes=reward_processing_classes, peft_config=peft_config,
                          callbacks=callbacks, optimizers=optimizers)
         trl_reward_arguments(self.scorer, self)
+        if self.args.sync_ref_model:  # TRL's reference sync (policy_gradient.SyncReference)
+            self.add_callback(SyncReference(self))
         self.num_generations = self.args.num_generations
         self.beta = self.args.beta
         self.epsilon_low = self.args.epsilon

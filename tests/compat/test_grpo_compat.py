@@ -6,9 +6,8 @@ Upstream uses hub models (tiny Qwen2 policy, tiny sequence-classification reward
 `trl-internal-testing/zen` prompts; here the tiny Llama policy and reward model of `compat_dirs` (conftest.py) and the
 zen prompts built locally, in TRL's two formats. Every case sets `max_steps` (upstream trains the whole 17-row set),
 `bf16=False` (CPU) and, for ours, short timeouts (`OURS`): nothing else differs between the two calls. Not rewritten:
-vLLM, PEFT, Liger, vision-language, tools / environments, entropy masking and bonus, the reference sync and the 'vespo'
-loss (our config accepts their fields and names them in one warning; tested below), iterable datasets and evaluation
-during training.
+vLLM, PEFT, Liger, vision-language, tools / environments, entropy masking and bonus and the 'vespo' loss (our config
+accepts their fields and names them in one warning; tested below), iterable datasets and evaluation during training.
 
 Default tier: one training per class checking several of upstream's cases at once (conversational prompts and
 message-list arguments, a reward model with its own chat template, a function reading an extra column, `trainer_state`
@@ -204,7 +203,7 @@ def test_every_trl_config_field_is_accepted_and_no_ops_are_named_once(tmp_path, 
     from async_rlhf import AsyncGRPOConfig
 
     assert not {f.name for f in dataclasses.fields(GRPOConfig)} - {f.name for f in dataclasses.fields(AsyncGRPOConfig)}
-    no_ops = dict(shuffle_dataset=False, log_completions=True, num_completions_to_print=2, sync_ref_model=True,
+    no_ops = dict(shuffle_dataset=False, log_completions=True, num_completions_to_print=2,
                   entropy_coef=0.01, top_entropy_quantile=0.5, cast_lm_head_to_fp32=True, num_generations_eval=4,
                   chat_template_kwargs={"enable_thinking": False}, vllm_importance_sampling_correction=False,
                   off_policy_mask_threshold=0.5, use_transformers_continuous_batching=True, vespo_k_pos=1.0)
@@ -262,6 +261,7 @@ CASES = {
     "sequence_importance_sampling": {"importance_sampling_level": "sequence", "loss_type": "grpo"},
     "bias_correction_kl_off": {"beta": 0.1, "use_bias_correction_kl": False},
     "gradient_accumulation": {"per_device_train_batch_size": 6, "gradient_accumulation_steps": 2},
+    "sync_ref_model": {"beta": 0.1, "sync_ref_model": True, "ref_model_sync_steps": 1, "ref_model_mixup_alpha": 0.5},
 }
 
 
