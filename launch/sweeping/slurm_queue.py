@@ -92,7 +92,8 @@ def cell_state(record: dict | None, finished: bool, entry: tuple[str, str] | Non
     if entry is not None:
         state, reason = entry
         if state in RUNNING:
-            return "running", f"attempt {record.get('attempt', 1)}" if record.get("attempt", 1) > 1 else ""
+            attempt = record.get("attempt", 1) if status == "running" else 1  # else its task has not written yet
+            return "running", f"attempt {attempt}" if attempt > 1 else ""
         if state in REQUEUEING or (state == "PENDING" and (status == "requeued" or record.get("attempt"))):
             return "requeued", message or f"Slurm {state} ({reason})"
         if state == "PENDING":
