@@ -33,7 +33,7 @@ from async_rlhf.trainers.policy_gradient import (
     ratio_denominator,
     trl_metrics,
 )
-from async_rlhf.trainers.trl_compat import prepare_group_args
+from async_rlhf.trainers.trl_compat import prepare_group_args, refuse_unbuilt
 
 
 class AsyncGRPOTrainer(AsyncTrainerBase):
@@ -42,7 +42,11 @@ class AsyncGRPOTrainer(AsyncTrainerBase):
 
     def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
-                 peft_config=None):
+                 quantization_config=None, peft_config=None, tools=None, rollout_func=None, environment_factory=None):
+        """TRL 1.16 GRPOTrainer's arguments, in its order. Not built here yet, refused with a message:
+        `quantization_config`, and multi-turn rollouts (`tools`, `rollout_func`, `environment_factory`)."""
+        refuse_unbuilt(quantization_config=quantization_config, tools=tools, rollout_func=rollout_func,
+                       environment_factory=environment_factory)
         args = prepare_group_args(AsyncGRPOConfig, model, args, reward_funcs, reward_processing_classes)
         if reward_processing_classes is not None and not isinstance(reward_processing_classes, list):
             reward_processing_classes = [reward_processing_classes]

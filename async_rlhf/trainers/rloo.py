@@ -28,7 +28,7 @@ from async_rlhf.trainers.policy_gradient import (
     ratio_denominator,
     trl_metrics,
 )
-from async_rlhf.trainers.trl_compat import prepare_group_args
+from async_rlhf.trainers.trl_compat import prepare_group_args, refuse_unbuilt
 
 
 class AsyncRLOOTrainer(AsyncTrainerBase):
@@ -36,7 +36,10 @@ class AsyncRLOOTrainer(AsyncTrainerBase):
     _tag_names = ["async_rlhf", "rloo"]
 
     def __init__(self, model, reward_funcs, args=None, train_dataset=None, eval_dataset=None, processing_class=None,
-                 reward_processing_classes=None, callbacks=None, optimizers=(None, None), peft_config=None):
+                 reward_processing_classes=None, callbacks=None, optimizers=(None, None), quantization_config=None,
+                 peft_config=None):
+        """TRL 1.16 RLOOTrainer's arguments, in its order; `quantization_config` is refused (not built here yet)."""
+        refuse_unbuilt(quantization_config=quantization_config)
         args = prepare_group_args(AsyncRLOOConfig, model, args, reward_funcs, reward_processing_classes)
         if args.epsilon_high is not None and args.epsilon_high != args.epsilon:
             raise ConfigError(f"epsilon_high: {args.epsilon_high} (asymmetric clipping) is not built for RLOO here; "

@@ -236,6 +236,21 @@ def test_ours_steps_per_generation_is_num_mini_batches_and_whole_groups_per_micr
     assert both.max_new_tokens == both.max_completion_length == 8
 
 
+def test_ours_takes_trls_constructor_arguments_and_refuses_the_unbuilt_ones(compat_dirs, zen_prompts, tmp_path):
+    """Ours only: TRL 1.16 GRPOTrainer's signature, in its order; what is not built here fails naming it."""
+    import inspect
+
+    from trl import GRPOTrainer
+
+    from async_rlhf import AsyncGRPOTrainer
+    from async_rlhf.errors import ConfigError
+
+    assert list(inspect.signature(AsyncGRPOTrainer).parameters) == list(inspect.signature(GRPOTrainer).parameters)
+    with pytest.raises(ConfigError, match="^environment_factory, tools: not built"):
+        _trainer("ours", tmp_path, {}, model=compat_dirs["policy"], reward_funcs=length_reward, tools=[len],
+                 environment_factory=object, train_dataset=zen_prompts("standard_prompt_only"))
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_public_attributes_after_construction(impl, compat_dirs, zen_prompts, tmp_path):
     """The attributes TRL users read after construction, on both classes (no training)."""
