@@ -65,7 +65,6 @@ class CellTask(submitit.helpers.Checkpointable):
         self._proc: subprocess.Popen | None = None
         self._started = 0.0
         self._terminated = False  # SIGTERM came from the scheduler
-        self._stopping = False  # checkpoint() is stopping the recipe for a requeue
 
     def __getstate__(self) -> dict:  # what is pickled for the requeue: the cell, not this attempt's process
         return {k: v for k, v in self.__dict__.items() if k in ("name", "run_dir", "cmd", "expects_eval", "grace",
@@ -111,12 +110,15 @@ class CellTask(submitit.helpers.Checkpointable):
             # poll, not wait(): the signal handler (checkpoint) must be able to wait on the process itself
             while self._proc.poll() is None:
                 time.sleep(0.5)
-            # Slurm's SIGTERM reaches every process: the launcher dies at once, the recipe finishes saving
-            deadline = time.monotonic() + self.grace
-            while process.group_alive(self._proc) and time.monotonic() < deadline:
-                time.sleep(0.2)
+            self._wait_for_group()  # Slurm's SIGTERM reaches every process: the launcher dies at once, the recipe
+            # finishes its step and saves
         signal.signal(signal.SIGTERM, previous)
         return self._conclude()
+
+    def _wait_for_group(self) -> None:
+        deadline = time.monotonic() + self.grace
+        while process.group_alive(self._proc) and time.monotonic() < deadline:
+            time.sleep(0.2)
 
     def _on_sigterm(self, signum, frame) -> None:
         self._terminated = True  # the recipe got its own SIGTERM from the step; a second one would skip its save
@@ -143,9 +145,10 @@ class CellTask(submitit.helpers.Checkpointable):
         """SIGUSR2: stop the recipe with one SIGTERM (it saves a checkpoint), then hand the cell back for a requeue.
         A recipe that already finished is not requeued (None: submitit then ends the task)."""
         proc = self._proc
-        if proc is not None and proc.poll() is None:
-            self._stopping = True
-            process.stop([proc], self.grace)
+        if proc is not None and process.group_alive(proc):
+            if self._terminated:  # the scheduler's SIGTERM already asked it to save: a second one would skip that
+                self._wait_for_group()
+            process.stop([proc], self.grace)  # SIGTERM, SIGKILL after grace (at once when the group is gone)
         if proc is not None and proc.returncode == 0 and run_finished(self.run_dir, self.expects_eval):
             self._update(status="finished", returncode=0, seconds=round(time.monotonic() - self._started, 1))
             return None
