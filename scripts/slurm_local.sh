@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A one-node Slurm cluster on this machine, for the sweep's Slurm tests (tests/integration/test_sweep_slurm.py) and
+# A one-node Slurm cluster on this machine, for the sweep's Slurm tests (tests/integration/test_sweep_slurm_cluster.py) and
 # for trying `python launch/sweep.py --backend slurm` without a cluster.
 #
 #   bash scripts/slurm_local.sh up      # install Debian's slurm-wlm and munge if missing, write the config, start

@@ -1,6 +1,6 @@
 """The Slurm backend's pieces that need no cluster (launch/sweeping/slurm.py, slurm_queue.py, cell_task.py): the
 batch script, the resource checks and their messages, squeue and sinfo parsing, each cell's state, and the
-multi-node launcher command. The cluster itself is tests/integration/test_sweep_slurm.py (slow tier)."""
+multi-node launcher command. The cluster itself is tests/integration/test_sweep_slurm_cluster.py (slow tier)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """`python launch/sweep.py --backend slurm` on a real Slurm: the one-node cluster of `scripts/slurm_local.sh`.
 
     bash scripts/slurm_local.sh up
-    python -m pytest tests/integration/test_sweep_slurm.py -m slow -q
+    python -m pytest tests/integration/test_sweep_slurm_cluster.py -m slow -q
     bash scripts/slurm_local.sh down
 
 Every test here is in the slow tier and is skipped when no Slurm controller answers (`sinfo`). They check:
