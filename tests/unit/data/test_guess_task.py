@@ -66,8 +66,11 @@ def test_a_whitespace_word_tokenizer_passes_the_checks_but_never_parses_a_call()
     assert "tool_calls" not in parse_response(plain, sampled)
 
 
-def test_trls_grpo_trainer_accepts_the_tokenizer_and_the_environment_and_cuts_tool_answers_as_we_do(tmp_path):
+def test_trls_grpo_trainer_accepts_the_tokenizer_and_the_environment_and_cuts_tool_answers_as_we_do(tmp_path,
+                                                                                                   monkeypatch):
     from trl import GRPOConfig, GRPOTrainer
+
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")  # environment_factory is experimental in TRL 1.16
 
     from async_rlhf.data.tiny_model import tiny_llama
 
