@@ -19,8 +19,9 @@ CONF=/etc/slurm/slurm.conf
 
 die() { echo "slurm_local.sh: $*" >&2; exit 1; }
 
-pids_of() {  # pids of a daemon binary, exact executable path match (never a broad pattern)
-  local exe=$1 pid
+pids_of() {  # pids of a daemon binary, exact executable path match (never a broad pattern); Debian's
+  local exe pid  # /usr/sbin/slurmctld is a link to slurmctld-wlm, which /proc/<pid>/exe names
+  exe=$(readlink -f "$1")
   for pid in $(ls /proc | grep -E '^[0-9]+$'); do
     [ "$(readlink "/proc/$pid/exe" 2>/dev/null)" = "$exe" ] && echo "$pid"
   done
