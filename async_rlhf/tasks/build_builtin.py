@@ -35,8 +35,7 @@ from async_rlhf.data.tiny_model import tiny_llama
 from async_rlhf.data.tokenizer import build_tokenizer
 from async_rlhf.generation.engine.hf_backend import TransformersSampler
 from async_rlhf.tasks import build_progress
-from async_rlhf.tasks.build_lock import build_lock
-from async_rlhf.tasks.cache import _is_complete, _paths, built_atomically, default_cache_dir
+from async_rlhf.tasks.cache import _paths, build_once, built_atomically, default_cache_dir
 from async_rlhf.tasks.evaluation import evaluate_policy
 from async_rlhf.types import SamplingSettings
 
@@ -369,18 +368,14 @@ def prepare_task(task, cache_dir: str | None = None, seed: int = 0, sft: SFTSett
     """`prepare_builtin` for any task module: the cache guarantees of this module's docstring, in
     `<root>/<task.NAME>-v<task.TASK_VERSION>[-seed<seed>]` unless `cache_dir` is given."""
     cache_dir = os.path.abspath(cache_dir or default_cache_dir(seed, task))
-    paths = _paths(cache_dir)
-    if _is_complete(cache_dir, task):
-        return paths
-    with build_lock(cache_dir.rstrip("/") + ".lock"):
-        if _is_complete(cache_dir, task):  # another process built it while we waited
-            return paths
+
+    def build(directory: str) -> None:
         proxy = getattr(task, "PROXY_REWARD_MODEL", True)
         build_progress.announce(f"Building {what} once into {cache_dir}: tokenizer, SFT policy"
                                 f"{', proxy reward model' if proxy else ''} ({minutes} minutes on 2 CPU cores; later "
                                 f"runs reuse it)")
         label = what.removeprefix("the ")
-        with (built_atomically(cache_dir) as tmp, _all_cores(), build_progress.without_library_bars(),
+        with (built_atomically(directory) as tmp, _all_cores(), build_progress.without_library_bars(),
               build_progress.building(label)):
             manifest = build_into(tmp, seed, sft, reward, task, max_positions)
         reward_model = manifest["reward_model"]
@@ -389,4 +384,5 @@ def prepare_task(task, cache_dir: str | None = None, seed: int = 0, sft: SFTSett
                                 f"{manifest['sft_gold_reward']:.3f}" + (
                                     f", reward model held-out accuracy {reward_model['eval_accuracy']:.3f}"
                                     if reward_model else ""))
-    return paths
+
+    return build_once(cache_dir, task, build)

@@ -27,8 +27,7 @@ from async_rlhf.data.tiny_model import tiny_llama
 from async_rlhf.data.tool_episodes import TurnTokens, run_episodes
 from async_rlhf.tasks import build_progress
 from async_rlhf.tasks.build_builtin import SFTSettings, _all_cores, _lr_lambda, _right_pad
-from async_rlhf.tasks.build_lock import build_lock
-from async_rlhf.tasks.cache import _is_complete, _paths, built_atomically, default_cache_dir
+from async_rlhf.tasks.cache import _paths, build_once, built_atomically, default_cache_dir
 from async_rlhf.tasks.guess_evaluation import (
     MAX_COMPLETION_LENGTH,
     MAX_TOOL_CALLING_ITERATIONS,
@@ -147,22 +146,19 @@ def prepare_guess(cache_dir: str | None = None, seed: int = 0, sft: SFTSettings 
     """Make sure the guessing task's tokenizer and SFT policy exist; return their paths ({"cache_dir", "tokenizer",
     "sft_model", "manifest", ...}). `sft` overrides the settings (tests build a reduced one)."""
     cache_dir = os.path.abspath(cache_dir or default_cache_dir(seed, guess_task))
-    paths = _paths(cache_dir)
-    if _is_complete(cache_dir, guess_task):
-        return paths
-    with build_lock(cache_dir.rstrip("/") + ".lock"):
-        if _is_complete(cache_dir, guess_task):  # another process built it while we waited
-            return paths
+
+    def build(directory: str) -> None:
         build_progress.announce(f"Building the guessing task once into {cache_dir}: tokenizer, SFT policy (17 "
                                 f"minutes measured on 2 busy CPU cores; later runs reuse it)")
-        with (built_atomically(cache_dir) as tmp, _all_cores(), build_progress.without_library_bars(),
+        with (built_atomically(directory) as tmp, _all_cores(), build_progress.without_library_bars(),
               build_progress.building("guessing task")):
             manifest = build_into(tmp, seed, sft, eval_episodes)
         build_progress.announce(f"The guessing task ready in {manifest['timings']['total_seconds']:.0f} s: SFT "
                                 f"held-out success {manifest['sft_success_rate']:.3f} in "
                                 f"{manifest['sft_turns_mean']:.2f} turns, control {manifest['control_success_rate']:.3f}"
                                 f" (chance {guess_task.CHANCE:.3f})")
-    return paths
+
+    return build_once(cache_dir, guess_task, build)
 
 
 def main(argv: list[str] | None = None) -> dict:

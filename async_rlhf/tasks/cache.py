@@ -11,8 +11,10 @@ import json
 import os
 import shutil
 import tempfile
+from typing import Callable
 
 from async_rlhf.data import builtin_task
+from async_rlhf.tasks.build_lock import build_lock
 
 
 def cache_root() -> str:
@@ -55,3 +57,15 @@ def built_atomically(directory: str):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def build_once(cache_dir: str, task, build: Callable[[str], None]) -> dict:
+    """The paths of `task`'s cache in `cache_dir`, which `build(cache_dir)` makes unless it is complete already: under
+    the directory's lock, so that one process builds while the others wait and then reuse it (`build_lock.py`)."""
+    paths = _paths(cache_dir)
+    if _is_complete(cache_dir, task):
+        return paths
+    with build_lock(cache_dir.rstrip("/") + ".lock"):
+        if not _is_complete(cache_dir, task):  # else another process built it while we waited
+            build(cache_dir)
+    return paths

@@ -164,3 +164,14 @@ def check_run_dirs(runs: list[Run], runs_dir: str, grid_path: str) -> None:
     if changed:
         raise GridError(f"{grid_path}: these runs finished earlier with different settings:\n" + "\n".join(changed)
                         + f"\nUse another --output_dir, or delete those directories under {runs_dir} to rerun them.")
+
+
+def split_finished(runs: list[Run], runs_dir: str) -> tuple[dict[str, dict], list[Run]]:
+    """(outcome of each run finished earlier, as 'skipped'; the runs still to do), by their run directories."""
+    outcomes, pending = {}, []
+    for run in runs:
+        if run_finished(os.path.join(runs_dir, run.name), run.expects_eval):
+            outcomes[run.name] = {"name": run.name, "status": "skipped", "message": "finished earlier"}
+        else:
+            pending.append(run)
+    return outcomes, pending

@@ -28,7 +28,7 @@ from launch.sweeping import process
 from launch.sweeping.estimate import duration, estimate
 from launch.sweeping.gpus import GpuPool
 from launch.sweeping.grid import Grid
-from launch.sweeping.runs import Run, prepare_run_dir, write_record
+from launch.sweeping.runs import Run, prepare_run_dir, split_finished, write_record
 
 
 @dataclass
@@ -87,13 +87,7 @@ def run_sweep(grid: Grid, runs: list[Run], output_dir: str, grace: float = 30.0,
     jobs, timeout_s = grid.jobs, 60.0 * grid.timeout_minutes
     runs_dir = os.path.join(output_dir, "runs")
     os.makedirs(runs_dir, exist_ok=True)
-    outcomes: dict[str, dict] = {}
-    pending = []
-    for run in runs:
-        if run_finished(os.path.join(runs_dir, run.name), run.expects_eval):
-            outcomes[run.name] = {"name": run.name, "status": "skipped", "message": "finished earlier"}
-        else:
-            pending.append(run)
+    outcomes, pending = split_finished(runs, runs_dir)
     seconds, _ = estimate(grid, runs, runs_dir)
     print(f"[sweep] {len(runs)} runs: {len(runs) - len(pending)} already finished (skipped), {len(pending)} to run, "
           f"{jobs} at a time, timeout {timeout_s / 60:g} min each"

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from evals.run_result import run_finished
 from launch.sweeping import ROOT, slurm_queue
 from launch.sweeping.grid import Grid, GridError
-from launch.sweeping.runs import Run, prepare_run_dir, read_record, write_record
+from launch.sweeping.runs import Run, prepare_run_dir, read_record, split_finished, write_record
 from launch.sweeping.schedule import write_report
 
 MAX_TIME_LIMIT_REQUEUES = 3  # submitit's max_num_timeout: a cell that keeps hitting its time limit stops after this
@@ -341,13 +341,7 @@ def run_slurm_sweep(grid: Grid, runs: list[Run], output_dir: str, res: Resources
     report. Ctrl-C / SIGTERM (KeyboardInterrupt) cancels the array, writes the report and re-raises."""
     runs_dir = os.path.join(output_dir, "runs")
     os.makedirs(os.path.join(output_dir, "slurm"), exist_ok=True)
-    outcomes: dict[str, dict] = {}
-    pending = []
-    for run in runs:
-        if run_finished(os.path.join(runs_dir, run.name), run.expects_eval):
-            outcomes[run.name] = {"name": run.name, "status": "skipped", "message": "finished earlier"}
-        else:
-            pending.append(run)
+    outcomes, pending = split_finished(runs, runs_dir)
     print(f"[sweep] {len(runs)} runs: {len(runs) - len(pending)} already finished (skipped), {len(pending)} to "
           f"submit to Slurm", flush=True)
     if not pending:
