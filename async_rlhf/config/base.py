@@ -1,7 +1,8 @@
 """Configuration: transformers' `TrainingArguments` plus the asynchronous fields, declared once here.
 
 `AsyncRLConfig` holds what every asynchronous learner shares (staleness, generators, weight sync, sampling,
-rewards); the optional schedules' fields are declared with their checks in `config/experimental.py` and mixed in;
+rewards); mixed into it are the optional schedules' fields with their checks (`config/experimental.py`) and TRL's
+generation fields where what each becomes here is explained (`config/trl_fields.py`);
 `config/algorithms.py` adds each learner's own fields (online DPO, RLOO, PPO, GRPO, best-of-n) with TRL 1.16's
 names. Every field is validated in
 `__post_init__`, before any model loads, with a message naming the field: first the type (and finiteness) of
@@ -32,7 +33,7 @@ from async_rlhf.config.checks import (  # noqa: F401  (ROLLOUT_TIMEOUT_MARGIN: r
 )
 from async_rlhf.config.checks import require as _require  # also the algorithms' configs' (config/algorithms.py)
 from async_rlhf.config.experimental import ExperimentalFields
-from async_rlhf.config.trl_fields import apply_trl_fields
+from async_rlhf.config.trl_fields import TRLGenerationFields, apply_trl_fields
 
 
 
@@ -43,7 +44,7 @@ def _cuda_available() -> bool:
 
 
 @dataclass
-class AsyncRLConfig(ExperimentalFields, TrainingArguments):
+class AsyncRLConfig(ExperimentalFields, TRLGenerationFields, TrainingArguments):
     # ---- staleness: how off-policy training may be ----------------------------------------------------------
     max_staleness: int = field(
         default=1,
@@ -255,37 +256,11 @@ class AsyncRLConfig(ExperimentalFields, TrainingArguments):
     )
     model_init_kwargs: dict | str | None = field(default=None, metadata={"help": "kwargs for from_pretrained (a dict, "
                                                                             "or JSON text)."})
-    # ---- TRL 1.16 OnlineDPOConfig's generation fields: accepted under TRL's names; how each maps onto the fields
-    # above, or why it cannot apply here (one warning lists those set), is in config/trl_fields.py ----------------------
-    use_vllm: bool = field(default=False, metadata={"help": "TRL: True sets generator_backend='vllm'; False (TRL's "
-                                                            "default) leaves generator_backend ('auto' unless set; "
-                                                            "generator_backend='transformers' forces that)."})
-    vllm_mode: str = field(default="colocate", metadata={"help": "TRL: 'colocate' (default): vLLM runs in our "
-                           "generator processes on generator_devices, never inside a learner; 'server' with use_vllm: "
-                           "generator_servers = vllm_server_base_url (or host:port), an async_rlhf.generation.serve."})
-    vllm_server_base_url: str | None = field(default=None, metadata={"help": "TRL: server URL (vllm_mode='server')."})
-    vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "TRL: server host (vllm_mode='server')."})
-    vllm_server_port: int = field(default=8000, metadata={"help": "TRL: server port (vllm_mode='server')."})
-    vllm_server_timeout: float = field(default=240.0, metadata={"help": "TRL: no-op (generator_start_timeout)."})
-    vllm_group_port: int = field(default=51216, metadata={"help": "TRL: no-op (weights go through shm files)."})
-    vllm_model_impl: str = field(default="vllm", metadata={"help": "TRL: no-op unless 'vllm' (our engines use vLLM's "
-                                                                   "own model code)."})
-    vllm_structured_outputs_regex: str | None = field(default=None, metadata={"help": "TRL: no-op."})
-    vllm_enable_sleep_mode: bool = field(default=False, metadata={"help": "TRL: no-op (generators own their "
-                                                                          "devices; nothing to free)."})
-    generation_kwargs: dict | str | None = field(
-        default=None, metadata={"help": "TRL: its keys temperature, top_p, top_k, min_p, repetition_penalty, "
-                                "max_new_tokens (or vLLM's max_tokens) override those fields; do_sample=False samples "
-                                "greedily (sampling_temperature 0; temperature keeps its value, as TRL's "
-                                "generation_config); other keys are not applied (warned)."})
+    # ---- sampling options of TRL's with the same meaning here (TRL's other generation fields: trl_fields.py) ----
     min_p: float | None = field(default=None, metadata={"help": "Drop tokens less likely than min_p x the most likely "
                                                                  "one (after temperature); None or 0: off (TRL)."})
     repetition_penalty: float = field(default=1.0, metadata={"help": "Logits of tokens already in the prompt or "
                                       "completion become l/p if l > 0 else l*p; 1.0: off (TRL)."})
-    cache_implementation: str | None = field(default=None, metadata={"help": "TRL: no-op."})
-    ds3_gather_for_generation: bool = field(default=True, metadata={"help": "TRL: no-op; ZeRO-3 weights are always "
-                                                                            "gathered for the generators."})
-    trust_remote_code: bool = field(default=False, metadata={"help": "TRL: no-op; model code is never fetched."})
     min_generations = 2  # class constant (not a field): pairs / leave-one-out need two samples per prompt
     # ---- TrainingArguments defaults that differ (CPU-sized, nothing phones home) -----------------------------
     remove_unused_columns: bool = False

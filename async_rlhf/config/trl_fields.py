@@ -46,6 +46,7 @@ TRL 1.16 `GRPOConfig` / `RLOOConfig` fields on the group learners (`AsyncGroupRL
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 from async_rlhf.errors import ConfigError
 
@@ -106,6 +107,38 @@ GROUP_NO_OPS = {
 }
 DEFAULT_COMPLETION_LENGTH = 512  # TRL 1.16's max_completion_length
 DEFAULT_MAX_LENGTH = 512  # ours (prompt + completion), unless 2 x the completion length is more
+
+
+@dataclass
+class TRLGenerationFields:
+    """TRL 1.16 `OnlineDPOConfig`'s generation fields, accepted under TRL's names (mixed into `AsyncRLConfig`); what
+    each becomes here is this module's docstring, applied by `apply_trl_fields`."""
+
+    use_vllm: bool = field(default=False, metadata={"help": "TRL: True sets generator_backend='vllm'; False (TRL's "
+                                                            "default) leaves generator_backend ('auto' unless set; "
+                                                            "generator_backend='transformers' forces that)."})
+    vllm_mode: str = field(default="colocate", metadata={"help": "TRL: 'colocate' (default): vLLM runs in our "
+                           "generator processes on generator_devices, never inside a learner; 'server' with use_vllm: "
+                           "generator_servers = vllm_server_base_url (or host:port), an async_rlhf.generation.serve."})
+    vllm_server_base_url: str | None = field(default=None, metadata={"help": "TRL: server URL (vllm_mode='server')."})
+    vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "TRL: server host (vllm_mode='server')."})
+    vllm_server_port: int = field(default=8000, metadata={"help": "TRL: server port (vllm_mode='server')."})
+    vllm_server_timeout: float = field(default=240.0, metadata={"help": "TRL: no-op (generator_start_timeout)."})
+    vllm_group_port: int = field(default=51216, metadata={"help": "TRL: no-op (weights go through shm files)."})
+    vllm_model_impl: str = field(default="vllm", metadata={"help": "TRL: no-op unless 'vllm' (our engines use vLLM's "
+                                                                   "own model code)."})
+    vllm_structured_outputs_regex: str | None = field(default=None, metadata={"help": "TRL: no-op."})
+    vllm_enable_sleep_mode: bool = field(default=False, metadata={"help": "TRL: no-op (generators own their "
+                                                                          "devices; nothing to free)."})
+    generation_kwargs: dict | str | None = field(
+        default=None, metadata={"help": "TRL: its keys temperature, top_p, top_k, min_p, repetition_penalty, "
+                                "max_new_tokens (or vLLM's max_tokens) override those fields; do_sample=False samples "
+                                "greedily (sampling_temperature 0; temperature keeps its value, as TRL's "
+                                "generation_config); other keys are not applied (warned)."})
+    cache_implementation: str | None = field(default=None, metadata={"help": "TRL: no-op."})
+    ds3_gather_for_generation: bool = field(default=True, metadata={"help": "TRL: no-op; ZeRO-3 weights are always "
+                                                                            "gathered for the generators."})
+    trust_remote_code: bool = field(default=False, metadata={"help": "TRL: no-op; model code is never fetched."})
 
 
 def _world_size() -> int:
