@@ -307,6 +307,11 @@ class AsyncRLConfig(ExperimentalFields, TRLGenerationFields, TrainingArguments):
             self.disable_tqdm = True
         super().__post_init__()
 
+    def generator_device_fields(self) -> dict[str, list[str]]:
+        """Every device a local generator may run on, by the field that names it (`generator_devices`, and the spare
+        devices of an optional schedule)."""
+        return {"generator_devices": list(self.generator_devices), **self.spare_generator_devices()}
+
     def cpu_learner_threads(self) -> int:
         """Threads for one CPU learner rank. More threads than free cores is far worse than fewer: OpenMP's
         barriers then wait on descheduled threads (measured here: a 0.7M-parameter forward/backward took 0.9 s

@@ -106,6 +106,10 @@ class ExperimentalFields:
         check_staleness_bound(self)
         check_speculative(self)
 
+    def spare_generator_devices(self) -> dict[str, list[str]]:
+        """Devices generators may be added on during the run, by the field that names them."""
+        return {"generator_autoscale_devices": list(self.generator_autoscale_devices)}
+
     def max_token_staleness(self) -> int:
         """The most steps behind the learner any trained token may be: max_staleness under the 'oldest' rule,
         max_oldest_staleness under 'newest'."""

@@ -1,7 +1,8 @@
 """Where generators run and what they start from, decided on the learner before any generator starts.
 
-- `check_generator_devices`: the devices named in `generator_devices` (and `generator_autoscale_devices`) exist and no learner rank uses them unless
-  `colocate` says so (checked before any model loads, so a typo costs seconds, not a model load).
+- `check_generator_devices`: the devices named for generators (`AsyncRLConfig.generator_device_fields`) exist and
+  no learner rank uses them unless `colocate` says so (checked before any model loads, so a typo costs seconds, not a
+  model load).
 - `check_context_length`: `max_length` (and vLLM's `vllm_max_model_len`) fit the policy's positions (checked from its
   config before any model loads: vLLM would otherwise refuse only once the generator's engine starts).
 - `engine_kwargs`: the engine settings a generator backend is built with (dtype of the learner's policy; vLLM's
@@ -33,8 +34,9 @@ def check_generator_devices(args: AsyncRLConfig) -> None:
     if args.generator_servers or args.generator_launcher == "ray":  # the servers' business, or Ray's placement
         return
     count = torch.cuda.device_count()
-    for name in ("generator_devices", "generator_autoscale_devices"):
-        missing = [d for d in getattr(args, name) if d.startswith("cuda:") and int(d[5:]) >= count]
+    fields = args.generator_device_fields()
+    for name, devices in fields.items():
+        missing = [d for d in devices if d.startswith("cuda:") and int(d[5:]) >= count]
         if missing:
             valid = ["cpu"] + [f"cuda:{i}" for i in range(count)]
             raise ConfigError(f"{name}: {missing} not on this machine, which has {count} GPU(s); "
@@ -42,7 +44,7 @@ def check_generator_devices(args: AsyncRLConfig) -> None:
     if args.device.type != "cuda" or args.colocate:
         return
     learner = {f"cuda:{i}" for i in range(int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size)))}
-    clash = sorted(set(args.generator_devices + args.generator_autoscale_devices) & learner)
+    clash = sorted({d for devices in fields.values() for d in devices} & learner)
     if clash:
         raise ConfigError(f"generator_devices: {clash} are also used by learner ranks ({sorted(learner)}); give the "
                           "generators their own GPUs (e.g. launch learners on cuda:0-5 and generators on cuda:6,7), "
