@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from async_rlhf.config import speculative
 from async_rlhf.config.checks import check_speculative, check_staleness_bound, comma_list
 
 
@@ -105,6 +106,11 @@ class ExperimentalFields:
         """Ranges and relations of these fields, each error naming the field (`config/checks.py`)."""
         check_staleness_bound(self)
         check_speculative(self)
+
+    def vllm_speculative_config(self) -> dict | None:
+        """vLLM's `speculative_config` for local generators (`config/speculative.py`); None: no speculation. Called
+        once 'auto' is decided."""
+        return speculative.vllm_config(self.speculative, self.num_speculative_tokens)
 
     def spare_generator_devices(self) -> dict[str, list[str]]:
         """Devices generators may be added on during the run, by the field that names them."""

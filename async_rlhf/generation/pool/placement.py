@@ -22,7 +22,6 @@ import shutil
 
 import torch
 
-from async_rlhf.config import speculative
 from async_rlhf.config.base import AsyncRLConfig
 from async_rlhf.errors import ConfigError
 from async_rlhf.learner.peft_policy import savable_model
@@ -89,8 +88,7 @@ def engine_kwargs(args: AsyncRLConfig, policy: torch.nn.Module | str, backend: s
             "gpu_memory_utilization": args.vllm_gpu_memory_utilization, "enforce_eager": args.vllm_enforce_eager,
             "tensor_parallel_size": args.vllm_tensor_parallel_size,
             "weight_transport": "ipc" if args.local_weight_transport == "ipc" else "shm",
-            **({"speculative_config": speculative.vllm_config(args.speculative, args.num_speculative_tokens)}
-               if args.speculative != "off" else {})}
+            **({"speculative_config": config} if (config := args.vllm_speculative_config()) is not None else {})}
 
 
 def initial_model_dir(source_path: str | None, model, tokenizer, accelerator,

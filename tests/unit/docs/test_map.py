@@ -126,7 +126,6 @@ CORE = ["pipeline", "generation", "trainers", "types.py", "config/base.py"]
 # no longer named fails too, so that it is taken off.
 STILL_IN_CORE = {
     "generation/pool/backend_choice.py": {"partial_rollouts", "speculative"},
-    "generation/pool/placement.py": {"num_speculative_tokens", "speculative"},
     "generation/serve.py": {"speculative"},
     "trainers/run_summary.py": {"num_speculative_tokens", "speculative"},
     "types.py": {"origins", "ref_logprobs"},
