@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from async_rlhf.config.checks import (  # noqa: F401  (ROLLOUT_TIMEOUT_MARGIN: read by tests)
-    ROLLOUT_TIMEOUT_MARGIN,
+from async_rlhf.config.checks import (
     check_combinations,
     check_counts,
     check_dir,

@@ -24,11 +24,10 @@ import torch
 from async_rlhf.config.algorithms import AsyncGRPOConfig
 from async_rlhf.learner.logprobs import sequence_terms
 from async_rlhf.losses.grpo import grpo_advantages, grpo_loss
-from async_rlhf.scoring.rewards import trl_reward_arguments
 from async_rlhf.trainers.base import AsyncTrainerBase
 from async_rlhf.trainers.policy_gradient import (
-    SyncReference,
     common_metrics,
+    finish_group_trainer,
     policy_terms,
     ratio_denominator,
     trl_metrics,
@@ -54,21 +53,13 @@ class AsyncGRPOTrainer(AsyncTrainerBase):
                          eval_dataset=eval_dataset, processing_class=processing_class,
                          reward_processing_classes=reward_processing_classes, peft_config=peft_config,
                          callbacks=callbacks, optimizers=optimizers)
-        trl_reward_arguments(self.scorer, self)
-        if self.args.sync_ref_model:  # TRL's reference sync (policy_gradient.SyncReference)
-            self.add_callback(SyncReference(self))
-        # TRL's public attributes after construction
+        finish_group_trainer(self)
+        # TRL's public attributes after construction (beside the shared ones)
         self.reward_funcs = self.scorer.funcs  # callables and loaded reward models, in order
         self.reward_weights = self.scorer.weights
-        self.num_generations = self.args.num_generations
-        self.beta = self.args.beta
         self.loss_type = self.args.loss_type
         self.scale_rewards = self.args.scale_rewards
-        self.epsilon_low = self.args.epsilon
-        self.epsilon_high = self.args.epsilon_high if self.args.epsilon_high is not None else self.args.epsilon
-        self.max_completion_length = self.args.max_new_tokens
         self.num_iterations = self.args.num_iterations
-        self.mask_truncated_completions = self.args.mask_truncated_completions
         self.importance_sampling_level = self.args.importance_sampling_level
         self.multi_objective_aggregation = self.args.multi_objective_aggregation
         self.use_liger_kernel = False

@@ -31,6 +31,7 @@ from transformers import TrainerCallback
 from async_rlhf.errors import ConfigError
 from async_rlhf.learner.logprobs import SequenceTerms
 from async_rlhf.losses.off_policy import log_ratio_stats
+from async_rlhf.scoring.rewards import trl_reward_arguments
 from async_rlhf.types import ScoredGroup
 
 
@@ -129,3 +130,18 @@ def mix_into(target: torch.nn.Module, source: torch.nn.Module, alpha: float) -> 
     """target ← alpha·source + (1 − alpha)·target, parameter by parameter (both with the same parameters)."""
     for t, s in zip(target.parameters(), source.parameters(), strict=True):
         t.mul_(1.0 - alpha).add_(s.detach().to(t.dtype), alpha=alpha)
+
+
+def finish_group_trainer(trainer) -> None:
+    """What TRL's GRPO and RLOO trainers share once built: reward functions get TRL's arguments, TRL's reference sync
+    (`sync_ref_model`) as a callback, and TRL's public attributes read from the config."""
+    a = trainer.args
+    trl_reward_arguments(trainer.scorer, trainer)
+    if a.sync_ref_model:
+        trainer.add_callback(SyncReference(trainer))
+    trainer.num_generations = a.num_generations
+    trainer.beta = a.beta
+    trainer.epsilon_low = a.epsilon
+    trainer.epsilon_high = a.epsilon_high if a.epsilon_high is not None else a.epsilon
+    trainer.max_completion_length = a.max_new_tokens
+    trainer.mask_truncated_completions = a.mask_truncated_completions

@@ -19,11 +19,10 @@ from async_rlhf.errors import ConfigError
 from async_rlhf.learner.logprobs import sequence_terms
 from async_rlhf.losses.ppo import whiten
 from async_rlhf.losses.rloo import kl_shaped_rewards, rloo_advantages, rloo_loss
-from async_rlhf.scoring.rewards import trl_reward_arguments
 from async_rlhf.trainers.base import AsyncTrainerBase
 from async_rlhf.trainers.policy_gradient import (
-    SyncReference,
     common_metrics,
+    finish_group_trainer,
     policy_terms,
     ratio_denominator,
     trl_metrics,
@@ -50,17 +49,9 @@ class AsyncRLOOTrainer(AsyncTrainerBase):
                          eval_dataset=eval_dataset, processing_class=processing_class,
                          reward_processing_classes=reward_processing_classes, peft_config=peft_config,
                          callbacks=callbacks, optimizers=optimizers)
-        trl_reward_arguments(self.scorer, self)
-        if self.args.sync_ref_model:  # TRL's reference sync (policy_gradient.SyncReference)
-            self.add_callback(SyncReference(self))
-        self.num_generations = self.args.num_generations
-        self.beta = self.args.beta
-        self.epsilon_low = self.args.epsilon
-        self.epsilon_high = self.args.epsilon_high if self.args.epsilon_high is not None else self.args.epsilon
-        self.max_completion_length = self.args.max_new_tokens
+        finish_group_trainer(self)
         self.normalize_advantages = self.args.normalize_advantages
         self.reward_clip_range = self.args.reward_clip_range
-        self.mask_truncated_completions = self.args.mask_truncated_completions
 
     def compute_rollout_loss(self, model, groups):
         a = self.args

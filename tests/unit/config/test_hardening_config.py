@@ -6,7 +6,7 @@ import math
 import pytest
 
 from async_rlhf.config.algorithms import AsyncOnlineDPOConfig, AsyncPPOConfig, AsyncRLOOConfig
-from async_rlhf.config.base import ROLLOUT_TIMEOUT_MARGIN
+from async_rlhf.config.checks import ROLLOUT_TIMEOUT_MARGIN
 from async_rlhf.config.cli import parse_args
 from async_rlhf.errors import ConfigError
 

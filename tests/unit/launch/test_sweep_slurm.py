@@ -238,7 +238,6 @@ def test_dry_run_prints_plan_and_batch_script_and_writes_nothing(tmp_path, monke
 def test_stop_waits_for_a_recipe_that_outlives_its_launcher(tmp_path):
     """`accelerate launch` dies at once on SIGTERM while its recipe finishes its step and saves: stopping the group
     waits for the recipe (here: 1 s of saving), not only for the launcher that leads the group."""
-    import subprocess
     import time
 
     from launch.sweeping import process
