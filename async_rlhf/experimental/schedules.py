@@ -44,13 +44,19 @@ def stream_engine(args) -> type | None:
     return HandoffEngine if args.tail_migration else None
 
 
+def fuses_reference(args, *, ref_model, deepspeed: bool) -> bool:
+    """Whether rank 0's scoring thread computes the reference log-probs (`scoring_stages`), so that the learner's
+    step skips its reference forward."""
+    return bool(args.reference_while_generating and args.score_while_generating and not deepspeed
+                and ref_model is not None)
+
+
 def scoring_stages(args, *, ref_model, deepspeed: bool, packing: dict, temperature: float) -> list:
     """Stages an optional schedule adds to learner rank 0's scoring thread (`scoring/stage.py`), after the rewards:
     with `reference_while_generating`, the reference log-probs of each arriving part (`fused_reference.py`), where
     parts are scored as they arrive (`score_while_generating`, not under DeepSpeed) and the reference is a frozen
     model (not a LoRA policy's adapters-off self). `packing`: pad_id, max_length, device and shared_prefix."""
-    if not (args.reference_while_generating and args.score_while_generating and not deepspeed
-            and ref_model is not None):
+    if not fuses_reference(args, ref_model=ref_model, deepspeed=deepspeed):
         return []
     return [("reference", lambda parts: reference_parts(parts, ref_model, temperature=temperature, **packing))]
 

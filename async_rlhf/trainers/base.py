@@ -203,12 +203,12 @@ class AsyncTrainerBase(Trainer):
     def sampling_settings(self) -> SamplingSettings:
         return SamplingSettings.from_config(self.args)
 
-    def packing(self, fused: bool = True) -> dict:
+    def packing(self) -> dict:
         """How `logprobs.sequence_terms` packs this trainer's rows (one forward per model under DeepSpeed)."""
         return {"pad_id": self.processing_class.pad_token_id, "max_length": self.args.max_length,
                 "device": self.accelerator.device, "shared_prefix": self.args.reference_shared_prefix,
                 "split_forwards": self.splits_forwards(),
-                "fused_temperature": self.reference_temperature() if fused and self.fuses_reference() else None}
+                "fused_temperature": self.reference_temperature() if self.fuses_reference() else None}
 
     def splits_forwards(self) -> bool:
         """`split_forwards` resolved: by default on CPU learners only (on an H100 the split step never clearly beat
@@ -227,11 +227,11 @@ class AsyncTrainerBase(Trainer):
     def fuses_reference(self) -> bool:
         """Rank 0's scoring thread computes the reference log-probs, so the step skips its reference forward (an
         optional schedule's stage: `experimental/schedules.py`)."""
-        return bool(self._schedule_stages())
+        return schedules.fuses_reference(self.args, ref_model=self.ref_model, deepspeed=self.is_deepspeed_enabled)
 
     def _schedule_stages(self) -> list:
         """The optional schedules' stages of rank 0's scoring thread (`experimental/schedules.scoring_stages`)."""
-        p = {k: v for k, v in self.packing(fused=False).items()
+        p = {k: v for k, v in self.packing().items()
              if k in ("pad_id", "max_length", "device", "shared_prefix")}
         return schedules.scoring_stages(self.args, ref_model=self.ref_model, deepspeed=self.is_deepspeed_enabled,
                                         packing=p, temperature=self.reference_temperature())

@@ -27,9 +27,10 @@ Guarantees:
   when it is garbage-collected or at interpreter exit, before `multiprocessing` would join them forever.
 
 Membership hooks, each with the fixed pool's behaviour as its default, for a pool whose generators come and go (an
-optional schedule's subclass, chosen in `experimental/schedules.py`: `experimental/elastic_pool.py`): `_out_of_service`
-(ids that take no requests now), `_takes_updates(g)`, `_restart_wanted(g)`, `_gone()` (owe no acknowledgement),
-`_ready(g)`, `_restarted(g, version)` and `_gone()` (called with the lock held), `_advance(now)` (at each `check`).
+optional schedule's subclass, chosen in `experimental/schedules.py`: `experimental/elastic_pool.py`). Called with the
+pool's lock held: `_out_of_service()` (ids that take no requests now), `_takes_updates(g)`, `_gone()` (ids that owe
+no acknowledgement), `_ready(g)`, `_restarted(g, version)`; without it, from `check`: `_restart_wanted(g)`,
+`_advance(now)`.
 
 Weights over the network (`weight_transport='network'`): `feeds` (`network_feeds.py`) gives each generator process
 a weight group of its own, joined first thing (its `WeightGroupJoin` precedes everything in a new inbox: at `start`,
