@@ -16,6 +16,9 @@ Parts, in order, each a child process with a time box (`PARTS`: seconds, scaled 
 runs out of time is recorded with the end of its output, and the kit goes on with the next:
   env           the device, library versions, the machine's load
   pytest_gpu    `pytest -m gpu tests/gpu` (the colocated run, CUDA IPC weights; the NCCL test needs 2 GPUs)
+  continuous_batching  `benchmarks/cb_generation.py`: static batches of 64 against transformers' continuous batching
+                on 128 long-tail requests (lengths log-normal, capped at 256) with a ~200M bf16 random policy:
+                seconds, useful tokens/s, when half and 90% of the samples were ready (issue 45's first question)
   learner_step  `benchmarks/learner_step.py --device cuda --bf16` on the SFT policy and on a 203M-parameter random
                 policy at 32 to 384 prompts a step (`LEARNER_SIZES`): padded vs length buckets vs shared prefixes,
                 to find the batch (padded tokens) from which the ways that save tokens pay. GPU learners run padded
@@ -54,7 +57,9 @@ CARRY_LIMIT = 64 * 2**20  # bytes a device call may carry (the tree included)
 # dependencies the image already has (huggingface-hub 1.33, tokenizers 0.23.2, pyarrow, pandas, xxhash, fsspec)
 WHEELS = ("transformers==5.19.0", "trl==1.16.0", "datasets==5.2.0", "dill==0.4.1", "multiprocess==0.70.19")
 # part -> seconds on the GPU (of a 480 s budget); vs_trl takes what is left
-PARTS = {"env": 20, "pytest_gpu": 100, "learner_step": 110, "colocated": 120, "vs_trl": 130}
+PARTS = {"env": 20, "pytest_gpu": 90, "continuous_batching": 90, "learner_step": 50, "colocated": 110, "vs_trl": 120}
+# the continuous-batching question (benchmarks/cb_generation.py): a ~200M bf16 policy, 128 long-tail requests
+CB_SIZES = dict(hidden_size=1024, layers=8, requests=128, batch=64, max_new_tokens=256)
 # (hidden size, layers, prompts a step) timed; (0, 0, ...) is the SFT policy itself. 32 prompts x 2 rows of the
 # built-in task are about 2,560 padded tokens, 128 about 10,500, 384 about 34,500.
 LEARNER_SIZES = [(0, 0, 32), (1024, 12, 32), (1024, 12, 128), (1024, 12, 384)]
@@ -246,6 +251,17 @@ def part_pytest_gpu(kit: Kit, timeout: float) -> dict:
     return {"summary": last[0].strip("= ")}
 
 
+def part_continuous_batching(kit: Kit, timeout: float) -> dict:
+    path = os.path.join(kit.out, "cb_generation.json")
+    sizes = dict(hidden_size=128, layers=2, requests=16, batch=8, max_new_tokens=32) if kit.args.dry_run else CB_SIZES
+    cmd = [sys.executable, "benchmarks/cb_generation.py", "--device", kit.args.device, "--json", path,
+           "--timeout", str(int(timeout))] + [f"--{k}={v}" for k, v in sizes.items()]
+    cmd += ["--bf16"] if kit.args.device == "cuda" else []
+    kit.sh("continuous_batching", cmd, timeout)
+    with open(path) as f:
+        return json.load(f)
+
+
 def part_learner_step(kit: Kit, timeout: float) -> dict:
     dry = kit.args.dry_run
     sizes = [(0, 0, 4), (128, 2, 4)] if dry else LEARNER_SIZES
@@ -415,6 +431,16 @@ def markdown(results: dict) -> str:
             row(name, "device", _cell(env.get("device_name")))
         elif name == "pytest_gpu":
             row(name, "result", _cell(p["summary"]))
+        elif name == "continuous_batching":
+            row(name, "workload", f"{p['parameters'] / 1e6:.0f}M params{', bf16' if p['bf16'] else ''}, "
+                                  f"{p['requests']} requests, lengths mean {p['mean_length']:.0f} / longest "
+                                  f"{p['longest']}, static batches of {p['batch']}")
+            for way in ("static", "continuous"):
+                r = p[way]
+                row(name, f"{way}: s, useful tokens/s, s to half / 90% of samples ready",
+                    f"{_num(r['seconds'])}, {_num(r['useful_tokens_per_s'], 0)}, {_num(r['half_ready_s'])} / "
+                    f"{_num(r['p90_ready_s'])}")
+            row(name, "continuous over static (wall)", f"{_num(p['continuous_over_static'])}x")
         elif name == "learner_step":
             for r in p["sizes"]:
                 if "ms" not in r:
@@ -492,7 +518,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _on_signal)
     kit = Kit(args)
-    fns = {"env": part_env, "pytest_gpu": part_pytest_gpu, "learner_step": part_learner_step,
+    fns = {"env": part_env, "pytest_gpu": part_pytest_gpu, "continuous_batching": part_continuous_batching,
+           "learner_step": part_learner_step,
            "colocated": part_colocated, "vs_trl": part_vs_trl}
     for name in args.parts:
         kit.run(name, lambda timeout, fn=fns[name]: fn(kit, timeout))

@@ -24,9 +24,11 @@ def test_gpu_kit_dry_run_runs_every_part_and_writes_its_report(tmp_path):
     assert sorted(os.listdir(out)) == ["gpu_kit.json", "gpu_kit.md", "logs.tar.gz"]  # a device call returns <= 8
     results = json.loads((out / "gpu_kit.json").read_text())
     parts = results["parts"]
-    assert list(parts) == ["env", "pytest_gpu", "learner_step", "colocated", "vs_trl"]
+    assert list(parts) == ["env", "pytest_gpu", "continuous_batching", "learner_step", "colocated", "vs_trl"]
     assert {name: p["status"] for name, p in parts.items()} == dict.fromkeys(parts, "ok"), parts
     assert len(parts["learner_step"]["sizes"]) == 2 and all("ms" in r for r in parts["learner_step"]["sizes"])
+    cb = parts["continuous_batching"]
+    assert cb["continuous"]["produced_tokens"] == cb["useful_tokens"] == cb["continuous"]["logprobs"]
     colocated = parts["colocated"]
     assert colocated["sync_seconds_per_gb"] > 0 and colocated["generator_tokens_per_s"] > 0
     assert colocated["async_speedup"] > 0 and colocated["planner"]["predicted_step_seconds"] > 0
@@ -34,7 +36,7 @@ def test_gpu_kit_dry_run_runs_every_part_and_writes_its_report(tmp_path):
     table = (out / "gpu_kit.md").read_text()
     assert table.startswith("Device: ") and "| colocated | weight sync, s per GB" in table and "not run" not in table
     with tarfile.open(out / "logs.tar.gz") as tar:
-        assert {"pytest_gpu.log", "learner_step.log", "colocated.log", "vs_trl.log"} <= set(tar.getnames())
+        assert {"pytest_gpu.log", "continuous_batching.log", "learner_step.log", "colocated.log", "vs_trl.log"} <= set(tar.getnames())
 
 
 def test_a_part_that_fails_is_recorded_and_the_kit_goes_on(tmp_path):
