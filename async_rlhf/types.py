@@ -76,20 +76,44 @@ class Completion:
     # the learner's loss temperature: filled on learner rank 0 as the part arrives (inter-stage fusion,
     # `experimental/fused_reference.py`); empty: the learner's step computes them.
     ref_logprobs: list[float] = field(default_factory=list)
+    # Multi-turn episodes (`generation/engine/episodes.py`); all three empty for a single-turn sample.
+    # [T] 1: a token the policy sampled, 0: one an environment or tool answered (trained on: mask 1 only; its
+    # `logprobs` entry is 0.0). Empty: every token was sampled.
+    mask: list[int] = field(default_factory=list)
+    # [L] the sample's own prompt, when it differs from its group's (an environment's `reset` added to it). Empty: the
+    # group's `prompt_token_ids`.
+    prompt_token_ids: list[int] = field(default_factory=list)
+    # what the episode was (JSON values): turns, tool_calls, tool_failures, tool_timeouts, finish, env (class name),
+    # messages (its turns as parsed and the tool answers), rewards ({environment class: get_reward() or None}),
+    # state (the environment's public attributes at the end), error (why it cannot be scored; "" if it can)
+    episode: dict = field(default_factory=dict)
 
     def oldest_version(self, default: int) -> int:
         return min((v for v, _ in self.version_starts), default=default)
 
+    @property
+    def num_sampled(self) -> int:
+        """Tokens the policy sampled (a tool's answers left out)."""
+        return sum(self.mask) if self.mask else len(self.token_ids)
+
+    def sampled(self, i: int) -> bool:
+        """Token `i` was sampled by the policy (not an environment's answer)."""
+        return not self.mask or self.mask[i] == 1
+
     @classmethod
     def from_dict(cls, d) -> Completion:
-        if isinstance(d, dict):  # written before per-token versions / fused reference log-probs existed
-            d = {"version_starts": [], "ref_logprobs": [], **d}
+        if isinstance(d, dict):  # written before per-token versions / fused reference log-probs / episodes existed
+            d = {"version_starts": [], "ref_logprobs": [], "mask": [], "prompt_token_ids": [], "episode": {}, **d}
         f = check_fields(d, "completion", {"token_ids": list_of(nonneg), "logprobs": list_of(number),
                                            "finish_reason": string, "version_starts": list_of(list_of(nonneg)),
-                                           "ref_logprobs": list_of(number)})
+                                           "ref_logprobs": list_of(number), "mask": list_of(nonneg),
+                                           "prompt_token_ids": list_of(nonneg), "episode": dict_of(lambda v: v)})
         if len(f["token_ids"]) != len(f["logprobs"]) or f["finish_reason"] not in ("stop", "length"):
             raise FieldError("completion: token_ids and logprobs differ in length, or finish_reason is not "
                              "'stop'/'length'")
+        if f["mask"] and (len(f["mask"]) != len(f["token_ids"]) or set(f["mask"]) - {0, 1}):
+            raise FieldError(f"completion.mask: expected one 0/1 per token ({len(f['token_ids'])}), got "
+                             f"{len(f['mask'])} values {sorted(set(f['mask']))}")
         if len(f["ref_logprobs"]) > len(f["token_ids"]):
             raise FieldError(f"completion.ref_logprobs: {len(f['ref_logprobs'])} values for "
                              f"{len(f['token_ids'])} tokens")
@@ -112,6 +136,10 @@ class GenerationRequest:
     chunk: int = 0  # a batch is split across generators: this is part `chunk` of `num_chunks`
     num_chunks: int = 1
     max_new_tokens: list[int] = field(default_factory=list)  # [P] each prompt's budget; empty: settings' for all
+    # [P] each prompt's dataset row (JSON values) when its samples are multi-turn episodes: what the environment's
+    # `reset(**row)` gets, its `prompt` messages and, with several environments, its `environment` name. Empty: single
+    # turn, `prompt_token_ids` is what is sampled from.
+    rows: list[dict] = field(default_factory=list)
 
     def settings_for(self, p: int) -> SamplingSettings:
         """The sampling settings of prompt `p` (its own token budget, when it has one)."""
@@ -124,13 +152,17 @@ class GenerationRequest:
 
     @classmethod
     def from_dict(cls, d) -> GenerationRequest:
-        if isinstance(d, dict) and "max_new_tokens" not in d:
-            d = {**d, "max_new_tokens": []}
+        if isinstance(d, dict):
+            d = {"max_new_tokens": [], "rows": [], **d}
         f = check_fields(d, "generate", {"batch_id": nonneg, "prompt_ids": list_of(nonneg),
                                          "prompt_token_ids": list_of(list_of(nonneg)),
                                          "settings": SamplingSettings.from_dict, "chunk": nonneg,
-                                         "num_chunks": nonneg, "max_new_tokens": list_of(nonneg)},
+                                         "num_chunks": nonneg, "max_new_tokens": list_of(nonneg),
+                                         "rows": list_of(dict_of(lambda v: v))},
                          ignore=("kind", "token"))
+        if f["rows"] and len(f["rows"]) != len(f["prompt_ids"]):
+            raise FieldError(f"generate: rows must be empty or one per prompt: {len(f['rows'])} rows, "
+                             f"{len(f['prompt_ids'])} prompts")
         if len(f["prompt_ids"]) != len(f["prompt_token_ids"]):
             raise FieldError("generate: prompt_ids and prompt_token_ids differ in length")
         if f["max_new_tokens"] and len(f["max_new_tokens"]) != len(f["prompt_ids"]):

@@ -10,7 +10,9 @@ rendered with the environment's tools; each tool call runs (a tool that raises, 
 `{"error": ...}` and is counted as a failure); at most `max_tool_calling_iterations` rounds of calls; the episode
 budget `max_completion_length` counts every id after the first prompt, and a tool answer that would overflow it is
 rolled back and ends the episode. Episodes run side by side: each round samples every episode still going in one
-call of `sample`. Only synchronous tools (the guessing task's).
+call of `sample`, then runs the round's tool calls through `call_tools` (default: one after the other, in this
+thread; the generator runs them concurrently with a time limit, `generation/engine/episodes.py`). An environment whose
+`reset` raises leaves its episode unscorable (`Episode.error`), never the others.
 """
 
 from __future__ import annotations
@@ -98,7 +100,9 @@ class Episode:
     messages: list[dict] = field(default_factory=list)  # the assistant turns as parsed and the tool answers
     tool_calls: int = 0
     tool_failures: int = 0
-    finish: str = ""  # "answered" (a turn without tool calls), "iterations", "length" (the budget)
+    tool_timeouts: int = 0  # calls past the time limit (counted in `tool_failures` too)
+    finish: str = ""  # "answered" (a turn without tool calls), "iterations", "length" (the budget), "error"
+    error: str = ""  # why it cannot be scored (its environment's `reset` raised); "" if it can
 
     @property
     def turns(self) -> int:
@@ -108,35 +112,67 @@ class Episode:
 Sample = Callable[[list[Episode], list[int]], list[tuple[list[int], list[float]]]]
 
 
-def _call(tool_call: dict, tools: dict[str, Callable]) -> tuple[str, Any, bool]:
-    """(name, result, failed) of one parsed call, as TRL runs it."""
+TIMED_OUT = "timed out"  # the `failed` value of a call past its time limit
+
+
+def resolve_call(tool_call: dict, tools: dict[str, Callable]) -> tuple[str, Callable | None, dict, Any]:
+    """(name, function, arguments, error answer) of one parsed call: the function is None when the call cannot run
+    (TRL's answers: an unsupported call type, an unknown tool)."""
     if tool_call.get("type") != "function":
-        return tool_call.get("name", "unknown"), {"error": f"Unsupported tool call type: {tool_call.get('type')}"}, True
+        name = tool_call.get("name", "unknown")
+        return name, None, {}, {"error": f"Unsupported tool call type: {tool_call.get('type')}"}
     function = tool_call["function"]
     name = function["name"]
+    if name not in tools:
+        return name, None, {}, {"error": f"Tool {name} not found."}
+    arguments = function.get("arguments") or {}
+    return name, tools[name], arguments if isinstance(arguments, dict) else {}, None
+
+
+def _call(tool_call: dict, tools: dict[str, Callable]) -> tuple[str, Any, bool | str]:
+    """(name, result, failed) of one parsed call, as TRL runs it."""
+    name, func, arguments, error = resolve_call(tool_call, tools)
+    if func is None:
+        return name, error, True
     try:
-        if name not in tools:
-            raise ValueError(f"Tool {name} not found.")
-        return name, tools[name](**function["arguments"]), False
+        return name, func(**arguments), False
     except Exception as e:  # the model's mistake, answered to the model
         return name, {"error": str(e)}, True
 
 
+def call_in_turn(calls: list[tuple[dict, dict[str, Callable]]]) -> list[tuple[str, Any, bool | str]]:
+    """`run_episodes`' default `call_tools`: each (tool call, the episode's tools by name) in turn, in this thread."""
+    return [_call(tool_call, tools) for tool_call, tools in calls]
+
+
+def start_episode(row: dict, env, tools: list[Callable], turn_tokens: TurnTokens) -> Episode:
+    """An episode from its dataset row: `env.reset(**row)` (None: tools only), whose returned string is appended to
+    the last user message, and the first prompt rendered with the standalone `tools` and the environment's."""
+    prompt = [dict(m) for m in row["prompt"]]
+    all_tools = list(tools)
+    try:
+        if env is not None:
+            observation = env.reset(**row)
+            if observation is not None:
+                prompt[-1]["content"] += observation
+            all_tools += environment_tools(env)
+    except Exception as e:  # the environment's fault: this episode cannot be scored, the others go on
+        return Episode(row=row, env=env, tools=all_tools, prompt_ids=[], finish="error",
+                       error=f"reset raised {type(e).__name__}: {e}")
+    return Episode(row=row, env=env, tools=all_tools, prompt_ids=turn_tokens.prompt(prompt, all_tools))
+
+
 def run_episodes(tokenizer, envs: list, rows: list[dict], sample: Sample, max_completion_length: int,
                  max_tool_calling_iterations: int, turn_tokens: TurnTokens | None = None,
-                 max_model_len: int | None = None) -> list[Episode]:
-    """Run one episode per (env, row) to its end. `sample(episodes, budgets)` returns, for each episode, the ids
-    sampled after `episode.turn_prompts[-1]` (at most `budgets[i]` of them) and their log-probs."""
+                 max_model_len: int | None = None, tools: list[Callable] = (), call_tools=call_in_turn
+                 ) -> list[Episode]:
+    """Run one episode per (env, row) to its end (env None: the standalone `tools` only). `sample(episodes,
+    budgets)` returns, for each episode, the ids sampled after `episode.turn_prompts[-1]` (at most `budgets[i]` of
+    them) and their log-probs. `call_tools(calls)` runs a round's calls, [(tool call, tools by name)], and returns
+    (name, result, failed) for each: `failed` True for an error, `TIMED_OUT` for a call past its time limit."""
     turn_tokens = turn_tokens or TurnTokens(tokenizer)
-    episodes = []
-    for env, row in zip(envs, rows, strict=True):
-        prompt = [dict(m) for m in row["prompt"]]
-        observation = env.reset(**row)
-        if observation is not None:
-            prompt[-1]["content"] += observation
-        tools = environment_tools(env)
-        episodes.append(Episode(row=row, env=env, tools=tools, prompt_ids=turn_tokens.prompt(prompt, tools)))
-    active = list(episodes)
+    episodes = [start_episode(row, env, tools, turn_tokens) for env, row in zip(envs, rows, strict=True)]
+    active = [e for e in episodes if not e.error]
     iteration = 0
     while active:
         budgets = [max_completion_length - len(e.completion_ids) for e in active]
@@ -158,14 +194,17 @@ def run_episodes(tokenizer, envs: list, rows: list[dict], sample: Sample, max_co
             else:
                 calling.append(e)
         active = []
+        calls = [(tool_call, {t.__name__: t for t in e.tools}) for e in calling for tool_call in e.messages[-1]["tool_calls"]]
+        results = iter(call_tools(calls))
         for e in calling:
-            by_name = {t.__name__: t for t in e.tools}
             answers = []
-            for tool_call in e.messages[-1]["tool_calls"]:
-                name, result, failed = _call(tool_call, by_name)
+            for _ in e.messages[-1]["tool_calls"]:
+                name, result, failed = next(results)
                 e.tool_calls += 1
-                e.tool_failures += failed
-                answers.append({"role": "tool", "name": name, "content": str(result)})
+                e.tool_failures += bool(failed)
+                e.tool_timeouts += failed == TIMED_OUT
+                answers.append({"role": "tool", "name": name, "content": result if isinstance(result, list)
+                                else str(result)})
             suffix = turn_tokens.tool_suffix(answers)
             total = len(e.prompt_ids) + len(e.completion_ids) + len(suffix)
             if total - len(e.prompt_ids) > max_completion_length or (max_model_len and total >= max_model_len):

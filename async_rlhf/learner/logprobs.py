@@ -20,17 +20,21 @@ from async_rlhf.learner.peft_policy import adapters_off
 from async_rlhf.types import Completion, ScoredGroup
 
 
-def pack_sequences(prompts: list[list[int]], completions: list[list[int]], pad_id: int, max_length: int):
+def pack_sequences(prompts: list[list[int]], completions: list[list[int]], pad_id: int, max_length: int,
+                   masks: list[list[int]] | None = None):
     """Right-padded prompt+completion sequences. Prompts are cut from the left when the pair exceeds max_length.
+    `masks`: each completion's own token mask (multi-turn episodes: 0 on a tool's answer; empty: every token).
 
-    Returns input_ids [B, L], attention_mask [B, L], completion_mask [B, L] (1 on completion tokens).
+    Returns input_ids [B, L], attention_mask [B, L], completion_mask [B, L] (1 on completion tokens the policy
+    sampled).
     """
     seqs, comp_masks = [], []
-    for p, c in zip(prompts, completions):
+    for k, (p, c) in enumerate(zip(prompts, completions)):
+        own = masks[k] if masks is not None and masks[k] else None
         c = c[:max_length - 1]
         p = p[max(0, len(p) + len(c) - max_length):]
         seqs.append(p + c)
-        comp_masks.append([0] * len(p) + [1] * len(c))
+        comp_masks.append([0] * len(p) + (own[:len(c)] if own else [1] * len(c)))
     width = max(len(s) for s in seqs)
     input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     attention = torch.zeros((len(seqs), width), dtype=torch.long)
@@ -72,8 +76,9 @@ def behaviour_logps(completions: list[Completion], mask: torch.Tensor) -> torch.
     out = torch.zeros_like(mask)
     for row, c in enumerate(completions):
         pos = mask[row].nonzero().squeeze(-1)
-        n = min(len(pos), len(c.logprobs))
-        out[row, pos[:n]] = torch.tensor(c.logprobs[:n], dtype=out.dtype, device=out.device)
+        sampled = [lp for i, lp in enumerate(c.logprobs) if c.sampled(i)]  # a tool's answers are not in the mask
+        n = min(len(pos), len(sampled))
+        out[row, pos[:n]] = torch.tensor(sampled[:n], dtype=out.dtype, device=out.device)
     return out
 
 
@@ -83,9 +88,10 @@ def completion_batch(groups, pad_id: int, max_length: int, device, select=None):
     Returns (input_ids, attention_mask, completion_mask, completions), tensors on `device`.
     """
     pairs = select if select is not None else [(g, i) for g, grp in enumerate(groups) for i in range(len(grp.completions))]
-    prompts = [groups[g].prompt_token_ids for g, _ in pairs]
     completions = [groups[g].completions[i] for g, i in pairs]
-    ids, attn, comp = pack_sequences(prompts, [c.token_ids for c in completions], pad_id, max_length)
+    prompts = [c.prompt_token_ids or groups[g].prompt_token_ids for (g, _), c in zip(pairs, completions)]
+    ids, attn, comp = pack_sequences(prompts, [c.token_ids for c in completions], pad_id, max_length,
+                                     [c.mask for c in completions])
     return ids.to(device), attn.to(device), comp.to(device), completions
 
 
@@ -249,6 +255,8 @@ def shared_prefix_token_logps(model, groups: list[ScoredGroup], select, mask: to
     like it. Returns (logps, drift_logps or None; see `token_logps`), or None (the caller then runs the unshared
     forward) when a row is cut to `max_length`, since its prompt is then truncated differently from its siblings'."""
     pairs = select if select is not None else [(g, i) for g, grp in enumerate(groups) for i in range(len(grp.completions))]
+    if any(groups[g].completions[i].mask or groups[g].completions[i].prompt_token_ids for g, i in pairs):
+        return None  # multi-turn episodes: masked answers, or a sample's own prompt
     completions = [groups[g].completions[i].token_ids for g, i in pairs]
     if any(len(groups[g].prompt_token_ids) + len(c) > max_length or not c for (g, _), c in zip(pairs, completions)):
         return None

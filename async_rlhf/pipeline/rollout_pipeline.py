@@ -66,13 +66,14 @@ class RolloutPipeline:
                  total_steps: int, settings: SamplingSettings, make_pool: MakePool | None = None,
                  score: list[tuple[str, Callable[[list[RolloutBatch]], list[RolloutBatch]]]] | None = None,
                  budgets: list[int] | None = None,
-                 batch_forming: MakeBatchForming = WholeBatches):
+                 batch_forming: MakeBatchForming = WholeBatches, rows: list[dict] | None = None):
         """`make_pool(on_rollouts, initial_version)`: (weight transport, generator pool not started yet, generator
         schedule) for this run, on rank 0 (`generation/pool/choice.py`, bound by the trainer).
         `score`: the stages that score a part on rank 0 as it arrives (`scoring/stage.py`); None: the learner
         scores batches.
         `budgets`: each prompt's own `max_new_tokens` (a dataset column, `data/prompts.py`); None: the settings'.
-        `batch_forming`: the batch schedule (`batch_forming.py`), built with what it may use of this pipeline."""
+        `batch_forming`: the batch schedule (`batch_forming.py`), built with what it may use of this pipeline.
+        `rows`: each prompt's dataset row when its samples are multi-turn episodes (`GenerationRequest.rows`)."""
         self.args = args
         self.accelerator = accelerator
         self.is_main = accelerator.is_main_process
@@ -92,6 +93,7 @@ class RolloutPipeline:
         self._score = score
         self.scoring: ScoringStage | None = None
         self.budgets = budgets
+        self.rows = rows
         self.lengths = LengthEstimator(settings.max_new_tokens, budgets)  # observed by the reader thread, read by dispatch
         self.pool_size = 0  # generators, once started
         self._in_flight_tokens = collections.defaultdict(float)  # generator -> expected tokens sent, not returned
@@ -363,7 +365,8 @@ class RolloutPipeline:
             settings = dataclasses.replace(self.settings, seed=seed)
             request = GenerationRequest(batch_id, part, [self.prompt_token_ids[i] for i in part], settings,
                                         chunk=c, num_chunks=len(bounds) - 1,
-                                        max_new_tokens=[self.budgets[i] for i in part] if self.budgets else [])
+                                        max_new_tokens=[self.budgets[i] for i in part] if self.budgets else [],
+                                        rows=[self.rows[i] for i in part] if self.rows else [])
             expected = sum(self._expected_tokens(i) for i in part)
             with self._load_lock:
                 self._in_flight_tokens[owner] += expected

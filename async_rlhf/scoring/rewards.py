@@ -115,9 +115,11 @@ class RewardScorer:
 
     def score(self, prompts: list[str], completions: list[str], completion_ids: list[list[int]],
               finished: list[bool], prompt_ids: list[int], columns: dict[str, list] | None = None,
-              raw_prompts: list | None = None):
+              raw_prompts: list | None = None, episodes: list[dict] | None = None):
         """Returns (scores [N] float tensor, NaN where skipped; per-function raw scores {name: [N]}). `raw_prompts`:
-        each completion's prompt as the dataset holds it (text or messages), used with `trl_arguments`."""
+        each completion's prompt as the dataset holds it (text or messages), used with `trl_arguments`. `episodes`:
+        each completion's `Completion.episode` (multi-turn): functions then get its messages as the completion and
+        `environments=` (`EnvironmentState`s), and an unscorable episode's score is NaN."""
         per_func: dict[str, list[float]] = {}
         total = torch.zeros(len(completions))
         trl = self.trl_arguments and raw_prompts is not None
@@ -128,6 +130,9 @@ class RewardScorer:
             func_prompts = raw_prompts
             func_completions = [[{"role": "assistant", "content": c}] for c in completions] if conversational \
                 else completions
+            if episodes:  # TRL: the episode's turns as parsed, with the tools' answers
+                func_completions = [e["messages"] for e in episodes]
+                columns = {**columns, "environments": [EnvironmentState(e) for e in episodes]}
             unscored = torch.ones(len(completions), dtype=torch.bool)  # no function scored it (yet)
         else:
             func_prompts, func_completions = prompts, completions
@@ -181,6 +186,8 @@ class RewardScorer:
                                "at least one reward function returns a valid reward.", row)
         if self.missing_eos_penalty is not None:
             total -= self.missing_eos_penalty * (~torch.tensor(finished)).float()
+        if episodes:  # an environment failed: out of its group's statistics (NaN), counted as skipped
+            total[torch.tensor([bool(e["error"]) for e in episodes])] = float("nan")
         self.skipped += int(torch.isnan(total).sum())
         return total, per_func
 
@@ -263,7 +270,7 @@ def _score(batch: RolloutBatch, rows: range, scorer: RewardScorer, tokenizer,
            dataset_row: Callable[[int], dict]) -> tuple[list[float], dict[str, list[float]]]:
     """(combined score per completion of `rows`, NaN where skipped; each reward function's raw scores)."""
     eos = tokenizer.eos_token_id
-    prompts, raw_prompts, completions, comp_ids, finished, pids = [], [], [], [], [], []
+    prompts, raw_prompts, completions, comp_ids, finished, pids, episodes = [], [], [], [], [], [], []
     columns: dict[str, list] = {}
     for r in rows:
         pid = batch.prompt_ids[r]
@@ -276,11 +283,42 @@ def _score(batch: RolloutBatch, rows: range, scorer: RewardScorer, tokenizer,
             comp_ids.append(c.token_ids)
             finished.append(_finished(c, eos))
             pids.append(pid)
+            episodes.append(c.episode)
             for name, value in row.items():
                 if name != "prompt":
                     columns.setdefault(name, []).append(value)
-    scores, per_func = scorer.score(prompts, completions, comp_ids, finished, pids, columns, raw_prompts=raw_prompts)
+    scores, per_func = scorer.score(prompts, completions, comp_ids, finished, pids, columns, raw_prompts=raw_prompts,
+                                    episodes=episodes if any(episodes) else None)
     return scores.tolist(), per_func
+
+
+class EnvironmentState:
+    """What a reward function gets as one of `environments=` for a multi-turn episode: the environment lives in the
+    generator process, so this is its public attributes (JSON values) at the episode's end, read as attributes, and
+    `get_reward()` returns what the environment's own returned there (None without one)."""
+
+    def __init__(self, episode: dict):
+        self.__dict__.update(episode.get("state") or {})
+        self._class = episode.get("env", "")
+        self._rewards = episode.get("rewards") or {}
+
+    def get_reward(self):
+        return self._rewards.get(self._class)
+
+    def __repr__(self) -> str:
+        public = {k: v for k, v in vars(self).items() if not k.startswith("_")}
+        return f"EnvironmentState({self._class}, {public})"
+
+
+class EnvironmentReward:
+    """The reward an environment class owns through `get_reward()` (TRL: one reward function per such class, named
+    after it, weight 1): its value for the episodes of that class, None for the others."""
+
+    def __init__(self, class_name: str):
+        self.__name__ = class_name
+
+    def __call__(self, environments=None, **kwargs) -> list[float | None]:
+        return [e.get_reward() if e._class == self.__name__ else None for e in environments]
 
 
 def trl_reward_arguments(scorer: RewardScorer, trainer) -> None:

@@ -55,6 +55,8 @@ LOG_HISTORY_KEPT = 100  # entries of `state.log_history` kept in memory; metrics
 class AsyncTrainerBase(Trainer):
     config_class = AsyncRLConfig
 
+    _multi_turn = None  # a group trainer's tools and environments (`multi_turn.MultiTurn`), set before this runs
+
     def __init__(self, model, ref_model=None, reward_funcs=None, args=None, data_collator=None, train_dataset=None,
                  eval_dataset=None, processing_class=None, reward_processing_classes=None, peft_config=None,
                  compute_metrics=None, callbacks=None, optimizers=(None, None), preprocess_logits_for_metrics=None):
@@ -87,6 +89,11 @@ class AsyncTrainerBase(Trainer):
             raise ConfigError("processing_class: the tokenizer has no eos_token; set one (completions must end)")
         if processing_class.pad_token_id is None:
             processing_class.pad_token = processing_class.eos_token
+        self._episodes = None  # multi-turn: the generators' `EpisodeSpec` (`multi_turn.py`)
+        if self._multi_turn is not None:
+            self._multi_turn.check_args(args)
+            processing_class = self._multi_turn.prepare_tokenizer(processing_class)
+            self._episodes = self._multi_turn.spec(processing_class, args)
         try:
             model_config = AutoConfig.from_pretrained(model) if isinstance(model, str) else model.config
         except OSError:  # no such model: raised again once the prompts are checked (they need no model)
@@ -99,12 +106,18 @@ class AsyncTrainerBase(Trainer):
         init_kwargs = args.model_init_kwargs or {}
         self._early_pool = None if model_config is None else choose_backend_and_spawn(
             args, model, model_config, init_kwargs, train_dataset, processing_class, schedules.stream_engine(args),
-            schedules.pool_class(args), schedules.before_spawn)
+            schedules.pool_class(args), schedules.before_spawn, episodes=self._episodes)
         if self._early_pool is not None:
             self.timeline.mark("generators_spawned")
         try:
-            self.prompt_token_ids, kept_rows = tokenize_prompts(
-                train_dataset, processing_class, args.max_length - args.max_new_tokens)
+            self.episode_rows = None  # multi-turn: each prompt's row, sent with its requests
+            if self._multi_turn is not None:
+                self.prompt_token_ids, kept_rows, self.episode_rows = self._multi_turn.prompt_ids(
+                    train_dataset, processing_class, args.max_length - args.max_new_tokens,
+                    dict(args.chat_template_kwargs or {}))
+            else:
+                self.prompt_token_ids, kept_rows = tokenize_prompts(
+                    train_dataset, processing_class, args.max_length - args.max_new_tokens)
             self.prompt_rows = kept_rows  # prompt id -> dataset row
             self.prompt_budgets = completion_budgets(train_dataset, kept_rows, args.max_new_tokens)  # None: one for all
             if model_config is None:
@@ -125,7 +138,7 @@ class AsyncTrainerBase(Trainer):
                              early_pool=early, device=self.accelerator.device,
                              scheduling=schedules.generator_scheduling(self.args, self.accelerator.num_processes),
                              stream_engine=schedules.stream_engine(self.args),
-                             pool_class=schedules.pool_class(self.args))
+                             pool_class=schedules.pool_class(self.args), episodes=self._episodes)
         return make
 
     def _close_early_pool(self) -> None:
@@ -326,7 +339,7 @@ class AsyncTrainerBase(Trainer):
                                         self._total_steps(), self.sampling_settings(),
                                         self._pool_maker(model_dir, engine_kwargs(self.args, self.model)),
                                         score=self._fused_scoring(), budgets=self.prompt_budgets,
-                                        batch_forming=schedules.batch_forming(self.args))
+                                        batch_forming=schedules.batch_forming(self.args), rows=self.episode_rows)
         self._stop_signal = 0
         previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
         for sig in previous:

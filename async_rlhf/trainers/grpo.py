@@ -25,6 +25,7 @@ from async_rlhf.config.algorithms import AsyncGRPOConfig
 from async_rlhf.learner.logprobs import sequence_terms
 from async_rlhf.losses.grpo import grpo_advantages, grpo_loss
 from async_rlhf.trainers.base import AsyncTrainerBase
+from async_rlhf.trainers.multi_turn import start_multi_turn
 from async_rlhf.trainers.policy_gradient import (
     common_metrics,
     finish_group_trainer,
@@ -42,10 +43,13 @@ class AsyncGRPOTrainer(AsyncTrainerBase):
     def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
                  quantization_config=None, peft_config=None, tools=None, rollout_func=None, environment_factory=None):
-        """TRL 1.16 GRPOTrainer's arguments, in its order. Not built here yet, refused with a message:
-        `quantization_config`, and multi-turn rollouts (`tools`, `rollout_func`, `environment_factory`)."""
-        refuse_unbuilt(quantization_config=quantization_config, tools=tools, rollout_func=rollout_func,
-                       environment_factory=environment_factory)
+        """TRL 1.16 GRPOTrainer's arguments, in its order. `tools` and `environment_factory`: multi-turn episodes run
+        in the generators (`trainers/multi_turn.py`). Not built here yet, refused with a message:
+        `quantization_config` and `rollout_func`."""
+        refuse_unbuilt(quantization_config=quantization_config, rollout_func=rollout_func)
+        self._multi_turn = start_multi_turn(tools, environment_factory)
+        if self._multi_turn is not None:
+            reward_funcs = self._multi_turn.reward_funcs(reward_funcs)
         args = prepare_group_args(AsyncGRPOConfig, model, args, reward_funcs, reward_processing_classes)
         if reward_processing_classes is not None and not isinstance(reward_processing_classes, list):
             reward_processing_classes = [reward_processing_classes]
@@ -72,7 +76,7 @@ class AsyncGRPOTrainer(AsyncTrainerBase):
         gradient_accumulation_steps and ranks average gradients, the step's loss is sum(token terms) / tokens."""
         a = self.args
         batch = self._step_batch
-        total = sum(min(len(c.token_ids), a.max_length - 1) for group in batch.completions for c in group
+        total = sum(min(c.num_sampled, a.max_length - 1) for group in batch.completions for c in group
                     if not (a.mask_truncated_completions and c.finish_reason == "length"))
         return total / (self.accelerator.num_processes * a.gradient_accumulation_steps)
 

@@ -80,7 +80,7 @@ def trl_metrics(trainer, t: PolicyTerms) -> dict[str, float]:
     """TRL's metric names for this micro-batch (module docstring; each learner adds its own `kl`); sets the
     trainer's `num_tokens` itself (a running total, not a mean over the logging window)."""
     mask = t.seq.mask
-    lengths = torch.tensor([float(len(c.token_ids)) for c in t.seq.completions])
+    lengths = torch.tensor([float(c.num_sampled) for c in t.seq.completions])  # TRL: tool answers not counted
     truncated = torch.tensor([c.finish_reason == "length" for c in t.seq.completions])
     terminated = lengths[~truncated]
     out = {
@@ -93,12 +93,28 @@ def trl_metrics(trainer, t: PolicyTerms) -> dict[str, float]:
         "completions/max_terminated_length": terminated.max().item() if terminated.numel() else 0.0,
         "entropy": (-(t.seq.logps.detach() * mask).sum() / mask.sum().clamp(min=1)).item(),
     }
+    out.update(episode_metrics(t.seq.completions))
     tokens = torch.tensor(float(t.seq.attention_mask.sum()), device=mask.device)
     if trainer.accelerator.num_processes > 1:  # every rank computes a micro-batch in step: a safe collective
         tokens = trainer.accelerator.reduce(tokens, reduction="sum")
     trainer.state.num_input_tokens_seen += int(tokens.item())
     trainer._metrics["num_tokens"] = [float(trainer.state.num_input_tokens_seen)]
     return out
+
+
+def episode_metrics(completions) -> dict[str, float]:
+    """Multi-turn episodes' metrics (none for single-turn samples): TRL's `tools/call_frequency` (calls per sample)
+    and `tools/failure_frequency` (failed calls per call), and ours: turns per episode, timed-out calls per call,
+    unscorable episodes (an environment's `reset` or `get_reward` raised) per episode."""
+    episodes = [c.episode for c in completions if c.episode]
+    if not episodes:
+        return {}
+    calls = sum(e["tool_calls"] for e in episodes)
+    return {"tools/call_frequency": calls / len(episodes),
+            "tools/failure_frequency": sum(e["tool_failures"] for e in episodes) / calls if calls else 0.0,
+            "episodes/turns": sum(e["turns"] for e in episodes) / len(episodes),
+            "episodes/tool_timeout_frequency": sum(e["tool_timeouts"] for e in episodes) / calls if calls else 0.0,
+            "episodes/unscorable": sum(bool(e["error"]) for e in episodes) / len(episodes)}
 
 
 class SyncReference(TrainerCallback):

@@ -27,6 +27,7 @@ from async_rlhf.trainers.policy_gradient import (
     ratio_denominator,
     trl_metrics,
 )
+from async_rlhf.trainers.multi_turn import start_multi_turn
 from async_rlhf.trainers.trl_compat import prepare_group_args, refuse_unbuilt
 
 
@@ -36,9 +37,14 @@ class AsyncRLOOTrainer(AsyncTrainerBase):
 
     def __init__(self, model, reward_funcs, args=None, train_dataset=None, eval_dataset=None, processing_class=None,
                  reward_processing_classes=None, callbacks=None, optimizers=(None, None), quantization_config=None,
-                 peft_config=None):
-        """TRL 1.16 RLOOTrainer's arguments, in its order; `quantization_config` is refused (not built here yet)."""
+                 peft_config=None, tools=None, environment_factory=None):
+        """TRL 1.16 RLOOTrainer's arguments, in its order; `quantization_config` is refused (not built here yet).
+        Beyond TRL's RLOOTrainer: `tools` and `environment_factory` as GRPOTrainer takes them (multi-turn episodes,
+        `trainers/multi_turn.py`)."""
         refuse_unbuilt(quantization_config=quantization_config)
+        self._multi_turn = start_multi_turn(tools, environment_factory)
+        if self._multi_turn is not None:
+            reward_funcs = self._multi_turn.reward_funcs(reward_funcs)
         args = prepare_group_args(AsyncRLOOConfig, model, args, reward_funcs, reward_processing_classes)
         if args.epsilon_high is not None and args.epsilon_high != args.epsilon:
             raise ConfigError(f"epsilon_high: {args.epsilon_high} (asymmetric clipping) is not built for RLOO here; "

@@ -74,8 +74,8 @@ def refuse_unbuilt(**arguments) -> None:
     """TRL constructor arguments that have nothing to run on here yet: each one given is a ConfigError naming it."""
     given = sorted(name for name, value in arguments.items() if value is not None)
     if given:
-        raise ConfigError(f"{', '.join(given)}: not built in async_rlhf's trainers yet (quantized policies and "
-                          "multi-turn rollouts: tools, rollout_func, environment_factory); leave None")
+        raise ConfigError(f"{', '.join(given)}: not built in async_rlhf's trainers yet (quantized policies, "
+                          "custom rollout functions); leave None")
 
 
 def tokenizer_for(processing_class, model, source_path: str | None):

@@ -6,7 +6,7 @@ locks), and every rollout carries the version(s) that sampled it. Both return Tr
 parent died (checked every second while idle); an exception leaves them for `worker.py` to report.
 
 * `serve_batches` (batch-level, the baseline): one message at a time; a request is one `generate` call, answered
-  when its longest sample ends.
+  when its longest sample ends, or, when it carries `rows`, its multi-turn episodes (`episodes.py`).
 * `serve_stream` (request-level, vLLM): requests enter the engine as soon as they arrive, whatever it is running,
   and each is answered the moment its own samples end (`stream_engine.py`). A weight update at the head of the inbox
   is loaded according to `weight_load`: "drain" waits until every sample already started has finished (they keep
@@ -44,6 +44,11 @@ def _spec(backend) -> dict:
 def serve_batches(spec, backend, inbox, outbox, parent) -> bool:
     version = spec.initial_version
     busy = 0.0  # seconds in `generate`
+    episodes = None  # the episode runner, for requests with `rows` (`episodes.py`)
+    if spec.episodes is not None:
+        from async_rlhf.generation.engine.episodes import EpisodeRunner
+
+        episodes = EpisodeRunner(spec.episodes, backend)
     while True:
         try:
             msg = inbox.get(timeout=1.0)
@@ -59,10 +64,17 @@ def serve_batches(spec, backend, inbox, outbox, parent) -> bool:
             backend.join_weight_group(msg.init_info)
         elif msg.kind == "generate":
             t0 = time.perf_counter()
-            completions = backend.generate(msg.prompt_token_ids, msg.settings, msg.max_new_tokens or None)
+            prompts = msg.prompt_token_ids
+            if msg.rows:
+                if episodes is None:
+                    raise ValueError(f"generator {spec.generator_id}: a request of episodes (rows), but this "
+                                     "generator was started without tools or environments")
+                prompts, completions = episodes.run(msg)
+            else:
+                completions = backend.generate(msg.prompt_token_ids, msg.settings, msg.max_new_tokens or None)
             busy += time.perf_counter() - t0
             outbox.put(RolloutBatch(batch_id=msg.batch_id, generator_id=spec.generator_id, policy_version=version,
-                                    prompt_ids=msg.prompt_ids, prompt_token_ids=msg.prompt_token_ids,
+                                    prompt_ids=msg.prompt_ids, prompt_token_ids=prompts,
                                     completions=completions, seconds=time.perf_counter() - t0, chunk=msg.chunk,
                                     num_chunks=msg.num_chunks, spec=_spec(backend)))
         else:

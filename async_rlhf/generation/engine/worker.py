@@ -54,22 +54,24 @@ class GeneratorSpec:
     weight_load: str = "drain"  # streaming: "drain" | "in_flight" (see `serve_loops.py`)
     stream_engine: type | None = None  # streaming: a `StreamEngine` subclass an optional schedule serves with
     # (chosen in `experimental/schedules.py`); None: `stream_engine.StreamEngine`
+    episodes: object | None = None  # an `episodes.EpisodeSpec`: requests with rows are multi-turn episodes
 
 
 def generator_spec(args, model_path: str, engine_kwargs: dict, initial_version: int, generator_id: int,
-                   device: str, stream_engine: type | None = None) -> GeneratorSpec:
+                   device: str, stream_engine: type | None = None, episodes=None) -> GeneratorSpec:
     """Generator `generator_id` on `device` (`args`: an `AsyncRLConfig` with its backend already decided)."""
     return GeneratorSpec(generator_id=generator_id, backend=args.generator_backend, model_path=model_path,
                          device=device, seed=args.seed + generator_id, threads=args.generator_threads,
                          engine_kwargs=engine_kwargs, initial_version=initial_version,
                          log_path=os.path.join(args.output_dir, "logs", f"generator-{generator_id}.log"),
-                         streaming=args.streaming, weight_load=args.weight_load, stream_engine=stream_engine)
+                         streaming=args.streaming, weight_load=args.weight_load, stream_engine=stream_engine,
+                         episodes=episodes)
 
 
 def generator_specs(args, model_path: str, engine_kwargs: dict, initial_version: int,
-                    stream_engine: type | None = None) -> list[GeneratorSpec]:
+                    stream_engine: type | None = None, episodes=None) -> list[GeneratorSpec]:
     """One spec per entry of `args.generator_devices`."""
-    return [generator_spec(args, model_path, engine_kwargs, initial_version, i, device, stream_engine)
+    return [generator_spec(args, model_path, engine_kwargs, initial_version, i, device, stream_engine, episodes)
             for i, device in enumerate(args.generator_devices)]
 
 

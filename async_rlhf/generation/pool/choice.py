@@ -41,11 +41,12 @@ def network_options(args) -> dict:
 def make_pool(args, on_rollouts: Callable[[RolloutBatch], None], initial_version: int, *, model_path: str,
               engine_kwargs: dict, early_pool: GeneratorPool | None, device,
               scheduling: SchedulingFactory | None = None, stream_engine: type | None = None,
-              pool_class: type[GeneratorPool] = GeneratorPool
+              pool_class: type[GeneratorPool] = GeneratorPool, episodes=None
               ) -> tuple[WeightTransport, GeneratorPoolProtocol, GeneratorScheduling]:
     """(weight transport, generator pool not started yet, generator schedule) for `args`. The first three arguments
     after `args` are the pipeline's (`pipeline/generator_pool.MakePool`); the trainer binds the rest (`scheduling`,
-    `stream_engine` and `pool_class`: an optional schedule's, from `experimental/schedules.py`; else the core's)."""
+    `stream_engine` and `pool_class`: an optional schedule's, from `experimental/schedules.py`; else the core's;
+    `episodes`: the run's `generation/engine/episodes.EpisodeSpec`, when its samples are multi-turn episodes)."""
     if args.generator_servers:
         from async_rlhf.generation.pool.http_pool import HTTPGeneratorPool
         from async_rlhf.generation.serve import TOKEN_ENV
@@ -57,7 +58,7 @@ def make_pool(args, on_rollouts: Callable[[RolloutBatch], None], initial_version
             token=os.environ.get(TOKEN_ENV, ""), min_model_len=args.max_length, weight_load=args.weight_load,
             weight_transport=args.weight_transport, network={**network_options(args), "backend": args.network_backend})
         return transport, pool, FixedGenerators()
-    specs = generator_specs(args, model_path, engine_kwargs, initial_version, stream_engine)
+    specs = generator_specs(args, model_path, engine_kwargs, initial_version, stream_engine, episodes)
     launcher = make_launcher(args, model_path)  # Ray: decides where the actors may run, and so their weights
     weights = launcher.weights if launcher is not None else args.local_weight_transport
     pool = adopt_or_close(early_pool, specs, on_rollouts, pool_class) or pool_class(
@@ -75,5 +76,5 @@ def make_pool(args, on_rollouts: Callable[[RolloutBatch], None], initial_version
         transport = make_transport(args, device)
     if scheduling is not None:
         pool.scheduling = scheduling(pool, lambda i, dev: generator_spec(
-            args, model_path, engine_kwargs, initial_version, i, dev, stream_engine))
+            args, model_path, engine_kwargs, initial_version, i, dev, stream_engine, episodes))
     return transport, pool, pool.scheduling

@@ -39,12 +39,13 @@ logger = logging.getLogger(__name__)
 def choose_backend_and_spawn(args, model, model_config, init_kwargs: dict, train_dataset,
                              tokenizer, stream_engine: type | None = None,
                              pool_class: type[GeneratorPool] = GeneratorPool,
-                             before_spawn: Callable | None = None) -> GeneratorPool | None:
+                             before_spawn: Callable | None = None, episodes=None) -> GeneratorPool | None:
     """The trainer's constructor, before the prompts are tokenized and any model loads: decide `generator_backend`
     ('auto': `backend_choice.py`, timed on one step of the dataset's first prompts where the policy has a directory)
     and spawn the generators (`spawn_early`; `stream_engine`: see `worker.GeneratorSpec`; `pool_class`: the local
     pool an optional schedule needs, `choice.make_pool`). `before_spawn(args, workload, dtype)`: what an optional
-    schedule decides once the backend is known and before anything starts (`experimental/schedules.py`)."""
+    schedule decides once the backend is known and before anything starts (`experimental/schedules.py`).
+    `episodes`: the run's `EpisodeSpec` (multi-turn), which the generators start with."""
     path = model if isinstance(model, str) and os.path.isfile(os.path.join(model, "config.json")) else None
     dtype = (predicted_dtype(init_kwargs, model_config) if isinstance(model, str)
              else str(next(model.parameters()).dtype).removeprefix("torch."))
@@ -59,7 +60,7 @@ def choose_backend_and_spawn(args, model, model_config, init_kwargs: dict, train
     resolve_generator_backend(args, model_config, architecture, dtype, workload=workload)
     if before_spawn is not None:
         before_spawn(args, workload, dtype)
-    return spawn_early(args, model, dtype, stream_engine, pool_class)
+    return spawn_early(args, model, dtype, stream_engine, pool_class, episodes)
 
 
 def _first_prompts(dataset, tokenizer, count: int, max_prompt_length: int) -> list[list[int]]:
@@ -84,7 +85,7 @@ def predicted_dtype(init_kwargs: dict, model_config) -> str:
 
 
 def spawn_early(args, model, dtype: str, stream_engine: type | None = None,
-                pool_class: type[GeneratorPool] = GeneratorPool) -> GeneratorPool | None:
+                pool_class: type[GeneratorPool] = GeneratorPool, episodes=None) -> GeneratorPool | None:
     """Spawn the generators `train()` will most likely need, and return their pool (None where not predictable)."""
     if (not args.generator_early_start or args.process_index != 0 or args.generator_servers
             or args.resume_from_checkpoint
@@ -92,7 +93,8 @@ def spawn_early(args, model, dtype: str, stream_engine: type | None = None,
         return None
     if not (isinstance(model, str) and os.path.isfile(os.path.join(model, "config.json"))):
         return None
-    specs = generator_specs(args, model, engine_kwargs(args, dtype), initial_version=0, stream_engine=stream_engine)
+    specs = generator_specs(args, model, engine_kwargs(args, dtype), initial_version=0, stream_engine=stream_engine,
+                            episodes=episodes)
     pool = pool_class(specs, None, args.generator_start_timeout, args.weight_sync_timeout,
                       args.generator_max_restarts)
     pool.spawn()

@@ -1,0 +1,213 @@
+"""Multi-turn episodes inside a generator process: TRL 1.16's `tools=` / `environment_factory=` rollouts, run where
+the samples are made, token in, token out.
+
+A `GenerationRequest` with `rows` asks for `settings.n` episodes per prompt. Each episode gets its own environment
+instance (made by the run's factory for the row's `environment`, pooled and reused across requests: TRL's "construct
+once, reset often"), is reset with its row, and then alternates turns sampled by this process's backend with rounds
+of tool calls (`data/tool_episodes.run_episodes`: the turn-building rules and their guarantee). What this module adds
+is where and how the tools run:
+* every call of a round runs at once, synchronous tools on a thread pool and `async def` tools on one event loop
+  thread, so a slow environment holds its own episode's answer, not the other episodes' calls;
+* a call past `tool_timeout` seconds answers `{"error": "tool ... timed out after ... s"}` to the model and is counted
+  (`tool_timeouts`, and as a failure); its environment instance is not reused, since its call may still be running;
+* an exception in `reset` or `get_reward` leaves the episode unscorable (`Completion.episode["error"]`, its reward
+  NaN, out of its group's statistics), never the generator's death.
+Every sampled token keeps its behaviour log-prob and mask 1; tool answers mask 0 (`Completion.mask`). Weights load only
+between requests here (batch-level serving), so an episode's tokens share one version: the request's.
+
+The environment's `get_reward()` (sync or async) runs here at the episode's end and travels as a number
+(`episode["rewards"]`, keyed by the environment's class name); reward functions on the learner get `environments=` as
+snapshots of each environment's public attributes at the end (`episode["state"]`, JSON values only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import inspect
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from async_rlhf.data.tool_episodes import TIMED_OUT, Episode, TurnTokens, resolve_call, run_episodes
+from async_rlhf.types import Completion, GenerationRequest
+
+TOOL_THREADS = 64  # synchronous tool calls running at once in one generator
+
+
+@dataclass
+class EpisodeSpec:
+    """What a generator needs to run episodes (crosses the spawn boundary by pickle: factories and tools must be
+    importable module-level callables, checked at the trainer's start)."""
+
+    tokenizer: Any  # the processing class: chat template (the training template when needed) and response parser
+    environment_factories: dict | None  # {environment name (None: the only one): factory}; None: tools only
+    tools: list = field(default_factory=list)  # standalone tools, beside each environment's methods
+    max_completion_length: int = 256  # ids after the first prompt, sampled and answered, per episode
+    max_tool_calling_iterations: int | None = None  # rounds of tool calls; None: no limit
+    tool_timeout: float = 60.0  # seconds a tool call may take
+    chat_template_kwargs: dict = field(default_factory=dict)
+    max_model_len: int | None = None  # the model's context: an answer that would reach it ends the episode
+
+
+class EpisodeRunner:
+    """Runs the episodes of one request at a time with `backend.generate` (any backend: vLLM or transformers)."""
+
+    def __init__(self, spec: EpisodeSpec, backend):
+        self.spec = spec
+        self.backend = backend
+        self.turn_tokens = TurnTokens(spec.tokenizer, spec.chat_template_kwargs)
+        eos = spec.tokenizer.eos_token_id
+        self.stop_ids = {eos, spec.tokenizer.pad_token_id} - {None}
+        self.threads = concurrent.futures.ThreadPoolExecutor(TOOL_THREADS, thread_name_prefix="tool")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.free: dict = {name: [] for name in (spec.environment_factories or {})}  # reusable instances
+
+    # ---- one request ---------------------------------------------------------------------------------------
+    def run(self, request: GenerationRequest) -> tuple[list[list[int]], list[list[Completion]]]:
+        """(each group's prompt ids, [P][n] completions) of the request's episodes."""
+        n = request.settings.n
+        rows = [request.rows[p] for p in range(len(request.rows)) for _ in range(n)]
+        names = [self._environment_name(row) for row in rows]
+        envs = [self._take(name) for name in names]
+        rounds = iter(range(1 << 30))
+        settings = request.settings
+
+        def sample(episodes: list[Episode], budgets: list[int]):
+            # each round its own seeds (sample k of round r: seed + r * 1_000_003 + k), so a resumed or regenerated
+            # request draws the same episodes
+            r = next(rounds)
+            seed = None if settings.seed is None else settings.seed + r * 1_000_003
+            one = dataclasses.replace(settings, n=1, seed=seed, max_new_tokens=max(budgets))
+            groups = self.backend.generate([e.turn_prompts[-1] for e in episodes], one, budgets)
+            return [(g[0].token_ids, g[0].logprobs) for g in groups]
+
+        episodes = run_episodes(self.spec.tokenizer, envs, rows, sample, self.spec.max_completion_length,
+                                self._iterations(), self.turn_tokens, self.spec.max_model_len,
+                                tools=self.spec.tools, call_tools=self.call_tools)
+        completions = [self._completion(e, name) for e, name in zip(episodes, names)]
+        for e, name in zip(episodes, names):
+            if e.env is not None and not e.tool_timeouts:  # a timed-out call may still run: not reused
+                self.free[name].append(e.env)
+        groups = [completions[p * n:(p + 1) * n] for p in range(len(request.rows))]
+        prompts = []
+        for p, group in enumerate(groups):
+            own = [c.prompt_token_ids for c in group if c.prompt_token_ids]
+            prompt = own[0] if own else list(request.prompt_token_ids[p])
+            prompts.append(prompt)
+            groups[p] = [c if c.prompt_token_ids != prompt else dataclasses.replace(c, prompt_token_ids=[])
+                         for c in group]
+        return prompts, groups
+
+    def _iterations(self) -> int:
+        limit = self.spec.max_tool_calling_iterations
+        return limit if limit is not None else 1 << 30
+
+    def _environment_name(self, row: dict):
+        factories = self.spec.environment_factories
+        if factories is None:
+            return None
+        if list(factories) == [None]:
+            return None
+        name = row.get("environment")
+        if name not in factories:  # checked on the learner before the run; a row may still come from elsewhere
+            raise ValueError(f"row has environment={name!r}, not among the environments {sorted(map(str, factories))}")
+        return name
+
+    def _take(self, name):
+        if self.spec.environment_factories is None:
+            return None
+        free = self.free[name]
+        return free.pop() if free else self.spec.environment_factories[name]()
+
+    # ---- tools ---------------------------------------------------------------------------------------------
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            threading.Thread(target=self._loop.run_forever, name="tool-event-loop", daemon=True).start()
+        return self._loop
+
+    def _start(self, func: Callable, arguments: dict) -> concurrent.futures.Future:
+        if inspect.iscoroutinefunction(func):
+            return asyncio.run_coroutine_threadsafe(func(**arguments), self._event_loop())
+        return self.threads.submit(func, **arguments)
+
+    def call_tools(self, calls: list[tuple[dict, dict[str, Callable]]]) -> list[tuple[str, Any, bool | str]]:
+        """`run_episodes`' `call_tools`: every call of the round at once, each within `tool_timeout` seconds."""
+        started = []
+        for tool_call, tools in calls:
+            name, func, arguments, error = resolve_call(tool_call, tools)
+            try:
+                started.append((name, None if func is None else self._start(func, arguments), error))
+            except Exception as e:  # bad arguments for an async tool: raised when the coroutine is made
+                started.append((name, None, {"error": str(e)}))
+        deadline = time.monotonic() + self.spec.tool_timeout
+        out = []
+        for name, future, error in started:
+            if future is None:
+                out.append((name, error, True))
+                continue
+            try:
+                out.append((name, future.result(timeout=max(0.0, deadline - time.monotonic())), False))
+            except concurrent.futures.TimeoutError:
+                future.cancel()
+                out.append((name, {"error": f"tool {name!r} timed out after {self.spec.tool_timeout:g} s"}, TIMED_OUT))
+            except Exception as e:  # the model's mistake (or the tool's), answered to the model
+                out.append((name, {"error": str(e)}, True))
+        return out
+
+    def _reward(self, env) -> tuple[dict, str]:
+        """({class name: get_reward()}, error): {} when the environment has no `get_reward`."""
+        get_reward = getattr(env, "get_reward", None)
+        if env is None or get_reward is None:
+            return {}, ""
+        try:
+            if inspect.iscoroutinefunction(get_reward):
+                value = asyncio.run_coroutine_threadsafe(get_reward(), self._event_loop()).result(
+                    timeout=self.spec.tool_timeout)
+            else:
+                value = get_reward()
+            value = None if value is None else float(value)
+        except Exception as e:
+            return {}, f"get_reward raised {type(e).__name__}: {e}"
+        return {type(env).__name__: value}, ""
+
+    def _completion(self, e: Episode, name) -> Completion:
+        rewards, error = ({}, "") if e.error else self._reward(e.env)
+        ids = e.completion_ids
+        finish = "stop" if ids and ids[-1] in self.stop_ids else "length"
+        episode = {"turns": e.turns, "tool_calls": e.tool_calls, "tool_failures": e.tool_failures,
+                   "tool_timeouts": e.tool_timeouts, "finish": e.finish, "messages": _json(e.messages),
+                   "env": type(e.env).__name__ if e.env is not None else "", "environment": name,
+                   "rewards": rewards, "state": snapshot(e.env), "error": e.error or error}
+        return Completion(token_ids=list(ids), logprobs=list(e.logprobs), finish_reason=finish, mask=list(e.mask),
+                          prompt_token_ids=list(e.prompt_ids), episode=episode)
+
+    def close(self) -> None:
+        self.threads.shutdown(wait=False, cancel_futures=True)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+
+
+def snapshot(env) -> dict:
+    """The environment's public attributes that are JSON values (what reward functions see as `environments=`)."""
+    if env is None:
+        return {}
+    out = {}
+    for key, value in vars(env).items():
+        if key.startswith("_"):
+            continue
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            continue
+        out[key] = value
+    return out
+
+
+def _json(messages: list[dict]) -> list[dict]:
+    """Parsed messages with anything that is not a JSON value written as its text."""
+    return json.loads(json.dumps(messages, default=str))
