@@ -76,6 +76,8 @@ class MultiTurn:
             raise ConfigError("tools / environment_factory: episodes run inside our generator processes; "
                               f"generator_servers={args.generator_servers} (vLLM servers) cannot run them. Leave "
                               "generator_servers empty")
+        if args.generation_mode == "auto":  # episodes run on batch-level serving
+            args.generation_mode = "batch"
         if args.streaming:
             raise ConfigError(f"tools / environment_factory: episodes run on batch-level serving; "
                               f"generation_mode={args.generation_mode!r} (with generator_backend="
