@@ -141,6 +141,13 @@ class AsyncGroupRLConfig(AsyncPolicyGradientConfig):
     pad_to_multiple_of: int | None = field(default=None, metadata={"help": "TRL: 'auto' (its default) is None "
                                                                           "off Neuron, as TRL holds it after its "
                                                                           "checks; an int is a no-op here."})
+    max_tool_calling_iterations: int | None = field(default=None, metadata={
+        "help": "TRL: with tools or environment_factory, the most rounds of tool calls in one episode (None: no "
+                "limit); an episode that reaches it ends on its last call."})
+    tool_timeout: float = field(default=60.0, metadata={
+        "help": "With tools or environment_factory: seconds one tool call may take; a call past it answers the model "
+                "an error naming the limit and is counted (tools/failure_frequency, "
+                "episodes/tool_timeout_frequency)."})
     chat_template_kwargs: dict | str | None = field(default=None, metadata={
         "help": "TRL: extra arguments of the chat template; applied to multi-turn episodes (tools or "
                 "environment_factory); single-turn prompts are rendered with the template as is."})
@@ -268,13 +275,6 @@ class AsyncGRPOConfig(AsyncGroupRLConfig):
     entropy_coef_max: float = field(default=1.0, metadata={"help": "TRL: no-op."})
     entropy_coef_delta: float = field(default=0.005, metadata={"help": "TRL: no-op."})
     entropy_target: float = field(default=0.2, metadata={"help": "TRL: no-op."})
-    max_tool_calling_iterations: int | None = field(default=None, metadata={
-        "help": "TRL: with tools or environment_factory, the most rounds of tool calls in one episode (None: no "
-                "limit); an episode that reaches it ends on its last call."})
-    tool_timeout: float = field(default=60.0, metadata={
-        "help": "With tools or environment_factory: seconds one tool call may take; a call past it answers the model "
-                "an error naming the limit and is counted (tools/failure_frequency, "
-                "episodes/tool_timeout_frequency)."})
     vllm_importance_sampling_correction: bool = field(default=True, metadata={
         "help": "TRL: its correction of the generator/learner mismatch; here off_policy_correction does that job."})
     vllm_importance_sampling_mode: str = field(default="sequence_mask", metadata={"help": "TRL: no-op "
