@@ -47,7 +47,7 @@ class AsyncGRPOTrainer(AsyncTrainerBase):
         in the generators (`trainers/multi_turn.py`). Not built here yet, refused with a message:
         `quantization_config` and `rollout_func`."""
         refuse_unbuilt(quantization_config=quantization_config, rollout_func=rollout_func)
-        self._multi_turn = start_multi_turn(tools, environment_factory)
+        self._multi_turn = start_multi_turn(tools, environment_factory, args)
         if self._multi_turn is not None:
             reward_funcs = self._multi_turn.reward_funcs(reward_funcs)
         args = prepare_group_args(AsyncGRPOConfig, model, args, reward_funcs, reward_processing_classes)

@@ -20,15 +20,21 @@ from __future__ import annotations
 import copy
 import inspect
 import json
+import logging
 import pickle
 
 from async_rlhf.errors import ConfigError, DatasetError
 from async_rlhf.scoring.rewards import EnvironmentReward
 
 
-def start_multi_turn(tools, environment_factory) -> MultiTurn | None:
-    """The trainer's `MultiTurn`, or None without tools and environments (single-turn samples)."""
+def start_multi_turn(tools, environment_factory, args=None) -> MultiTurn | None:
+    """The trainer's `MultiTurn`, or None without tools and environments (single-turn samples: then a set
+    `chat_template_kwargs`, which only episodes apply, is named in a warning)."""
     if not tools and environment_factory is None:
+        if args is not None and getattr(args, "chat_template_kwargs", None):
+            logging.getLogger(__name__).warning(
+                "chat_template_kwargs=%r: applied to multi-turn episodes only (tools / environment_factory); "
+                "single-turn prompts are rendered with the chat template as is", args.chat_template_kwargs)
         return None
     return MultiTurn(tools, environment_factory)
 

@@ -42,7 +42,7 @@ class AsyncRLOOTrainer(AsyncTrainerBase):
         Beyond TRL's RLOOTrainer: `tools` and `environment_factory` as GRPOTrainer takes them (multi-turn episodes,
         `trainers/multi_turn.py`)."""
         refuse_unbuilt(quantization_config=quantization_config)
-        self._multi_turn = start_multi_turn(tools, environment_factory)
+        self._multi_turn = start_multi_turn(tools, environment_factory, args)
         if self._multi_turn is not None:
             reward_funcs = self._multi_turn.reward_funcs(reward_funcs)
         args = prepare_group_args(AsyncRLOOConfig, model, args, reward_funcs, reward_processing_classes)

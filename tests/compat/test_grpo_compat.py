@@ -205,7 +205,7 @@ def test_every_trl_config_field_is_accepted_and_no_ops_are_named_once(tmp_path, 
     assert not {f.name for f in dataclasses.fields(GRPOConfig)} - {f.name for f in dataclasses.fields(AsyncGRPOConfig)}
     no_ops = dict(shuffle_dataset=False, log_completions=True, num_completions_to_print=2,
                   entropy_coef=0.01, top_entropy_quantile=0.5, cast_lm_head_to_fp32=True, num_generations_eval=4,
-                  chat_template_kwargs={"enable_thinking": False}, vllm_importance_sampling_correction=False,
+                  vllm_importance_sampling_correction=False,
                   off_policy_mask_threshold=0.5, use_transformers_continuous_batching=True, vespo_k_pos=1.0)
     with caplog.at_level(logging.WARNING, logger="async_rlhf.config.trl_fields"):
         config = AsyncGRPOConfig(output_dir=str(tmp_path), vllm_max_model_length=256, **no_ops)
@@ -246,8 +246,11 @@ def test_ours_takes_trls_constructor_arguments_and_refuses_the_unbuilt_ones(comp
     from async_rlhf.errors import ConfigError
 
     assert list(inspect.signature(AsyncGRPOTrainer).parameters) == list(inspect.signature(GRPOTrainer).parameters)
-    with pytest.raises(ConfigError, match="^environment_factory, tools: not built"):
-        _trainer("ours", tmp_path, {}, model=compat_dirs["policy"], reward_funcs=length_reward, tools=[len],
+    with pytest.raises(ConfigError, match="^rollout_func: not built"):
+        _trainer("ours", tmp_path, {}, model=compat_dirs["policy"], reward_funcs=length_reward,
+                 rollout_func=lambda prompts, trainer: {}, train_dataset=zen_prompts("standard_prompt_only"))
+    with pytest.raises(ConfigError, match="object has no `reset` method"):  # multi-turn: tests/compat/test_grpo_tools_compat.py
+        _trainer("ours", tmp_path, {}, model=compat_dirs["policy"], reward_funcs=length_reward,
                  environment_factory=object, train_dataset=zen_prompts("standard_prompt_only"))
 
 

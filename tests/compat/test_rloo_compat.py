@@ -108,7 +108,8 @@ def test_every_trl_config_field_is_accepted_and_no_ops_are_named_once(tmp_path, 
 
 
 def test_ours_refuses_what_it_does_not_build(compat_dirs, zen_prompts, tmp_path):
-    """Ours only: TRL's constructor signature; asymmetric clipping is not built for RLOO (TRL takes epsilon_high)."""
+    """Ours only: TRL's constructor signature, then GRPO's multi-turn arguments (ours only); asymmetric clipping is not
+    built for RLOO (TRL takes epsilon_high)."""
     import inspect
 
     from trl import RLOOTrainer
@@ -116,7 +117,8 @@ def test_ours_refuses_what_it_does_not_build(compat_dirs, zen_prompts, tmp_path)
     from async_rlhf import AsyncRLOOTrainer
     from async_rlhf.errors import ConfigError
 
-    assert list(inspect.signature(AsyncRLOOTrainer).parameters) == list(inspect.signature(RLOOTrainer).parameters)
+    assert list(inspect.signature(AsyncRLOOTrainer).parameters) == [*inspect.signature(RLOOTrainer).parameters,
+                                                                      "tools", "environment_factory"]
 
     with pytest.raises(ConfigError, match="epsilon_high: 0.28"):
         _trainer("ours", tmp_path, {"epsilon_high": 0.28}, model=compat_dirs["policy"], reward_funcs=length_reward,
