@@ -146,6 +146,7 @@ class MultiTurn:
         if "prompt" not in dataset.column_names:
             raise DatasetError("train_dataset: episodes need a 'prompt' column of chat messages")
         turn_tokens = TurnTokens(self.rendering_tokenizer(tokenizer), chat_template_kwargs)
+        stubs = {}  # environment name -> the tools its rows are rendered with (one instance per environment)
         ids, kept, rows, too_long = [], [], [], []
         for index in range(len(dataset)):
             row = dataset[index]
@@ -157,8 +158,9 @@ class MultiTurn:
             if self.factories is not None and name not in self.factories:
                 raise DatasetError(f"train_dataset: row {index}, column 'environment': {name!r} is not among the "
                                    f"environments passed to environment_factory: {sorted(map(str, self.factories))}")
-            tools = self._tool_stubs(name)
-            tokens = turn_tokens.prompt(prompt, tools)
+            if name not in stubs:
+                stubs[name] = self._tool_stubs(name)
+            tokens = turn_tokens.prompt(prompt, stubs[name])
             if len(tokens) > max_prompt_length:
                 too_long.append(index)
                 continue
