@@ -18,6 +18,7 @@ scored as they arrive); everything else on rank 0's main thread.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -25,6 +26,8 @@ from async_rlhf.errors import CheckpointError
 from async_rlhf.pipeline.records import PipelineRecords
 from async_rlhf.pipeline.staleness_queue import StalenessQueue
 from async_rlhf.types import RolloutBatch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,15 @@ class WholeBatches:
         return {}
 
     def pending(self, step: int) -> list[RolloutBatch]:
+        """The batches generated for steps after `step`. Those already sent are awaited first (at most
+        `rollout_timeout`; not once a generator failed or the pool closed), so that a resumed run trains them as they
+        were sampled instead of sampling them again with the checkpoint's newer weights: exact resume also when a
+        batch was still being generated (long multi-turn episodes) at the checkpoint."""
+        try:
+            self.p.queue.wait_for(range(step, self.next_dispatch), self.p.rollout_timeout, poll=self.p.check)
+        except Exception as exc:  # a failed or closed pool, or the wait ran out: what arrived is saved
+            logger.warning("checkpoint at step %d: batches sent but not arrived (%s: %s) are sampled again on "
+                           "resume, with the checkpoint's weights", step, type(exc).__name__, exc)
         return [b for b in self.p.queue.pending() if b.batch_id >= step]
 
     # ---- main thread -------------------------------------------------------------------------------------------

@@ -75,6 +75,24 @@ class StalenessQueue:
         self.staleness_counts[staleness] += 1
         return batch
 
+    def wait_for(self, batch_ids, timeout: float, poll=None) -> None:
+        """Wait until every batch of `batch_ids` is ready (none is taken); `StageTimeout` after `timeout` seconds.
+        `poll` as in `get`."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while any(b not in self._ready for b in batch_ids):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise StageTimeout(f"rollout queue: batches {[b for b in batch_ids if b not in self._ready]} "
+                                       f"did not arrive within {timeout:.0f}s")
+                self._cond.wait(min(left, 1.0))
+                if poll is not None:
+                    self._cond.release()
+                    try:
+                        poll()
+                    finally:
+                        self._cond.acquire()
+
     def __contains__(self, batch_id: int) -> bool:
         with self._cond:
             return batch_id in self._ready
