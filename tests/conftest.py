@@ -75,3 +75,28 @@ def tiny_run_config():
         return AsyncOnlineDPOConfig(**{**TINY_RUN, "output_dir": str(output_dir), **overrides})
 
     return make
+
+
+# The guessing task's policy SFT'd for seconds on its demonstrations (it calls the tool in most turns): what
+# multi-turn runs start from without the whole task's build (tests/compat/test_grpo_tools_compat.py,
+# tests/integration/test_multi_turn_run.py).
+TINY_GUESS_SFT = dict(num_examples=256, steps=100, batch_size=16, learning_rate=3e-3, hidden_size=64, num_layers=2,
+                      num_heads=2)
+
+
+@pytest.fixture(scope="session")
+def guess_policy(tmp_path_factory):
+    """The directory of that policy (built once per session, in its own cache)."""
+    from async_rlhf.tasks import build_guess
+    from async_rlhf.tasks.build_builtin import SFTSettings
+
+    cache = tmp_path_factory.mktemp("guess-cache")
+    old = os.environ.get("ASYNC_RLHF_CACHE")
+    os.environ["ASYNC_RLHF_CACHE"] = str(cache)
+    try:
+        return build_guess.prepare_guess(sft=SFTSettings(**TINY_GUESS_SFT), eval_episodes=4)["sft_model"]
+    finally:
+        if old is None:
+            os.environ.pop("ASYNC_RLHF_CACHE")
+        else:
+            os.environ["ASYNC_RLHF_CACHE"] = old

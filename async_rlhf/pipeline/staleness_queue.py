@@ -50,23 +50,8 @@ class StalenessQueue:
 
         `poll`, if given, is called about once a second while waiting (liveness checks); it may raise.
         """
-        deadline = time.monotonic() + timeout
         with self._cond:
-            while batch_id not in self._ready:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise StageTimeout(
-                        f"rollout queue: batch {batch_id} did not arrive from the generators within {timeout:.0f}s "
-                        f"(ready: {sorted(self._ready)}). A generator is stalled or too slow; raise rollout_timeout "
-                        f"if generation is legitimately this slow."
-                    )
-                self._cond.wait(min(left, 1.0))
-                if poll is not None:
-                    self._cond.release()
-                    try:
-                        poll()
-                    finally:
-                        self._cond.acquire()
+            self._wait([batch_id], timeout, poll)
             batch = self._ready.pop(batch_id)
         staleness = learner_version - batch.policy_version
         if staleness > self.max_staleness:
@@ -78,20 +63,29 @@ class StalenessQueue:
     def wait_for(self, batch_ids, timeout: float, poll=None) -> None:
         """Wait until every batch of `batch_ids` is ready (none is taken); `StageTimeout` after `timeout` seconds.
         `poll` as in `get`."""
-        deadline = time.monotonic() + timeout
         with self._cond:
-            while any(b not in self._ready for b in batch_ids):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise StageTimeout(f"rollout queue: batches {[b for b in batch_ids if b not in self._ready]} "
-                                       f"did not arrive within {timeout:.0f}s")
-                self._cond.wait(min(left, 1.0))
-                if poll is not None:
-                    self._cond.release()
-                    try:
-                        poll()
-                    finally:
-                        self._cond.acquire()
+            self._wait(list(batch_ids), timeout, poll)
+
+    def _wait(self, batch_ids: list[int], timeout: float, poll) -> None:
+        """Under the lock: wait until every batch of `batch_ids` is ready, calling `poll` (unlocked) about once a
+        second; `StageTimeout` after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while any(b not in self._ready for b in batch_ids):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = [b for b in batch_ids if b not in self._ready]
+                raise StageTimeout(
+                    f"rollout queue: batch {', '.join(map(str, missing))} did not arrive from the generators within "
+                    f"{timeout:.0f}s (ready: {sorted(self._ready)}). A generator is stalled or too slow; raise "
+                    f"rollout_timeout if generation is legitimately this slow."
+                )
+            self._cond.wait(min(left, 1.0))
+            if poll is not None:
+                self._cond.release()
+                try:
+                    poll()
+                finally:
+                    self._cond.acquire()
 
     def __contains__(self, batch_id: int) -> bool:
         with self._cond:

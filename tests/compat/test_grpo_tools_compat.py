@@ -3,13 +3,11 @@ and ours under TRL's names: a TRL script with tools switched by one import. Offl
 (TRL's checks pass, its parser reads the calls) and a policy SFT'd for seconds on the task's demonstrations, which
 calls the tool in most turns. What upstream's tool tests check is checked on both: the reward named after the
 environment class, the tool names, TRL's `tools/*` metrics, reward functions receiving `environments=`, a standalone
-tool offered beside the environment's (tool failures and timeouts: tests/unit/generation/engine/test_episodes.py). Ours also: the on-policy
-first step's learner log-probs equal the generator's (tool answers out of the comparison), and the episodes'
-metrics. Marked `integration`."""
+tool offered beside the environment's (tool failures and timeouts: tests/unit/generation/engine/test_episodes.py).
+Ours also: the on-policy first step's learner log-probs equal the generator's (tool answers out of the comparison),
+and the episodes' metrics. The policy is conftest.py's `guess_policy`. Marked `integration`."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 
@@ -17,30 +15,10 @@ from async_rlhf.data import guess_task as g
 
 pytestmark = pytest.mark.integration
 
-TINY_SFT = dict(num_examples=256, steps=100, batch_size=16, learning_rate=3e-3, hidden_size=64, num_layers=2,
-                num_heads=2)
 FIELDS = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=160, max_steps=2,
               max_tool_calling_iterations=5, learning_rate=1e-4, report_to="none", logging_steps=1, bf16=False,
               seed=0, beta=0.0)
 OURS = dict(disable_tqdm=True, generator_start_timeout=120, rollout_timeout=300, generator_backend="transformers")
-
-
-@pytest.fixture(scope="module")
-def policy(tmp_path_factory):
-    from async_rlhf.tasks import build_guess
-    from async_rlhf.tasks.build_builtin import SFTSettings
-
-    cache = tmp_path_factory.mktemp("guess-cache")
-    old = os.environ.get("ASYNC_RLHF_CACHE")
-    os.environ["ASYNC_RLHF_CACHE"] = str(cache)
-    try:
-        return build_guess.prepare_guess(sft=SFTSettings(**TINY_SFT), eval_episodes=4)["sft_model"]
-    finally:
-        if old is None:
-            os.environ.pop("ASYNC_RLHF_CACHE")
-        else:
-            os.environ["ASYNC_RLHF_CACHE"] = old
-
 
 def solved(completions, environments, **kwargs):
     """A reward function reading the environments, as TRL passes them."""
@@ -66,14 +44,15 @@ def _classes(impl):
 
 
 @pytest.mark.parametrize("impl", ["trl", "ours"])
-def test_environment_factory_and_tools_train_under_either_import(impl, policy, tmp_path, monkeypatch):
+def test_environment_factory_and_tools_train_under_either_import(impl, guess_policy, tmp_path, monkeypatch):
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     from transformers import AutoTokenizer
 
     GRPOConfig, GRPOTrainer = _classes(impl)
     args = GRPOConfig(output_dir=str(tmp_path), **FIELDS, **(OURS if impl == "ours" else {"use_cpu": True}))
-    trainer = GRPOTrainer(model=policy, reward_funcs=[solved], args=args, train_dataset=g.make_split(32, 0, "train"),
-                          processing_class=AutoTokenizer.from_pretrained(policy), environment_factory=g.GuessEnv,
+    trainer = GRPOTrainer(model=guess_policy, reward_funcs=[solved], args=args,
+                          train_dataset=g.make_split(32, 0, "train"),
+                          processing_class=AutoTokenizer.from_pretrained(guess_policy), environment_factory=g.GuessEnv,
                           tools=[hint])
     if impl == "trl":
         assert trainer.reward_func_names == ["solved", "GuessEnv"]

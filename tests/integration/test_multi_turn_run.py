@@ -2,12 +2,10 @@
 environment): a run stopped with episodes in flight and resumed trains loss for loss like an uninterrupted one, and
 RLOO takes the same `environment_factory` (here the dict form, rows routed by their `environment` column).
 
-The policy is SFT'd for seconds on the task's demonstrations (it calls the tool in most turns); the whole guessing
+The policy is conftest.py's `guess_policy`, SFT'd for seconds (it calls the tool in most turns); the whole guessing
 task's build is not needed."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 from datasets import Dataset
@@ -15,31 +13,12 @@ from stop_at import check_resume_matches
 
 from async_rlhf.data import guess_task as g
 
-TINY_SFT = dict(num_examples=256, steps=100, batch_size=16, learning_rate=3e-3, hidden_size=64, num_layers=2,
-                num_heads=2)
 FIELDS = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=160, learning_rate=1e-4,
               max_tool_calling_iterations=5, report_to="none", logging_steps=1, bf16=False, seed=3, beta=0.0,
               disable_tqdm=True, generator_start_timeout=120, rollout_timeout=300, generator_backend="transformers")
 
 
-@pytest.fixture(scope="module")
-def policy(tmp_path_factory):
-    from async_rlhf.tasks import build_guess
-    from async_rlhf.tasks.build_builtin import SFTSettings
-
-    cache = tmp_path_factory.mktemp("guess-cache")
-    old = os.environ.get("ASYNC_RLHF_CACHE")
-    os.environ["ASYNC_RLHF_CACHE"] = str(cache)
-    try:
-        return build_guess.prepare_guess(sft=SFTSettings(**TINY_SFT), eval_episodes=4)["sft_model"]
-    finally:
-        if old is None:
-            os.environ.pop("ASYNC_RLHF_CACHE")
-        else:
-            os.environ["ASYNC_RLHF_CACHE"] = old
-
-
-def test_a_run_stopped_with_episodes_in_flight_resumes_exactly(policy, tmp_path):
+def test_a_run_stopped_with_episodes_in_flight_resumes_exactly(guess_policy, tmp_path):
     from async_rlhf import AsyncGRPOConfig, AsyncGRPOTrainer
 
     data = g.make_split(64, 0, "train")
@@ -47,18 +26,18 @@ def test_a_run_stopped_with_episodes_in_flight_resumes_exactly(policy, tmp_path)
     def make(out):  # max_staleness 1: when step 2 ends, batch 3's episodes are being played
         args = AsyncGRPOConfig(output_dir=str(out), max_steps=4, max_staleness=1, save_strategy="steps",
                                save_steps=2, **FIELDS)
-        return AsyncGRPOTrainer(model=policy, args=args, train_dataset=data, environment_factory=g.GuessEnv)
+        return AsyncGRPOTrainer(model=guess_policy, args=args, train_dataset=data, environment_factory=g.GuessEnv)
 
     check_resume_matches(make, tmp_path, steps=4, stop=2)
 
 
-def test_rloo_routes_rows_to_their_environment(policy, tmp_path):
+def test_rloo_routes_rows_to_their_environment(guess_policy, tmp_path):
     from async_rlhf import AsyncRLOOConfig, AsyncRLOOTrainer
 
     rows = list(g.make_split(32, 0, "train"))
     data = Dataset.from_list([{**r, "environment": "guess" if i % 2 else "control"} for i, r in enumerate(rows)])
     args = AsyncRLOOConfig(output_dir=str(tmp_path), max_steps=2, **FIELDS)
-    trainer = AsyncRLOOTrainer(model=policy, reward_funcs=None, args=args, train_dataset=data,
+    trainer = AsyncRLOOTrainer(model=guess_policy, reward_funcs=None, args=args, train_dataset=data,
                                environment_factory={"guess": g.GuessEnv, "control": g.UninformativeGuessEnv})
     assert [f.__name__ for f in trainer.reward_funcs] == ["GuessEnv", "UninformativeGuessEnv"]
     trainer.train()
@@ -69,7 +48,7 @@ def test_rloo_routes_rows_to_their_environment(policy, tmp_path):
 
 
 @pytest.mark.slow
-def test_episodes_on_the_vllm_generator(policy, tmp_path):
+def test_episodes_on_the_vllm_generator(guess_policy, tmp_path):
     """The vLLM backend plays the same episodes (token ids in, ids and log-probs out); on the on-policy first step the
     learner's log-probs equal vLLM's on every sampled token (tool answers out of the comparison). Slow: vLLM's CPU
     engine takes a while to start."""
@@ -77,7 +56,7 @@ def test_episodes_on_the_vllm_generator(policy, tmp_path):
     from async_rlhf import AsyncGRPOConfig, AsyncGRPOTrainer
 
     args = AsyncGRPOConfig(output_dir=str(tmp_path), max_steps=2, **{**FIELDS, "generator_backend": "vllm"})
-    trainer = AsyncGRPOTrainer(model=policy, args=args, train_dataset=g.make_split(32, 0, "train"),
+    trainer = AsyncGRPOTrainer(model=guess_policy, args=args, train_dataset=g.make_split(32, 0, "train"),
                                environment_factory=g.GuessEnv)
     assert not args.streaming  # 'auto' on vLLM would stream; episodes take batch-level serving
     trainer.train()
