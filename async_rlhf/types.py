@@ -72,10 +72,10 @@ class Completion:
     # [[version, first token], ...]: tokens from `first token` on were sampled by weights `version` (in order, the
     # first at token 0). Empty: every token by the batch's `policy_version` (batch-level generators).
     version_starts: list[list[int]] = field(default_factory=list)
-    # [T'] the frozen reference model's log-prob of each token the learner packs (T' = min(T, max_length - 1)), at
-    # the learner's loss temperature: filled on learner rank 0 as the part arrives (inter-stage fusion,
-    # `experimental/fused_reference.py`); empty: the learner's step computes them.
-    ref_logprobs: list[float] = field(default_factory=list)
+    # name -> [T'] per-token values of the tokens the learner packs (T' <= T), filled on learner rank 0 as the part
+    # arrives, for the learner's step to use instead of computing them (a scoring stage's: the fused reference puts
+    # the frozen reference's log-probs under `learner/logprobs.REFERENCE`). Empty: nothing precomputed.
+    token_values: dict[str, list[float]] = field(default_factory=dict)
     # Multi-turn episodes (`generation/engine/episodes.py`); all three empty for a single-turn sample.
     # [T] 1: a token the policy sampled, 0: one an environment or tool answered (trained on: mask 1 only; its
     # `logprobs` entry is 0.0). Empty: every token was sampled.
@@ -102,11 +102,12 @@ class Completion:
 
     @classmethod
     def from_dict(cls, d) -> Completion:
-        if isinstance(d, dict):  # written before per-token versions / fused reference log-probs / episodes existed
-            d = {"version_starts": [], "ref_logprobs": [], "mask": [], "prompt_token_ids": [], "episode": {}, **d}
+        if isinstance(d, dict):  # written before per-token versions / precomputed values / episodes existed
+            d = {"version_starts": [], "token_values": {}, "mask": [], "prompt_token_ids": [], "episode": {},
+                 **_renewed(d, RETIRED_FIELDS["completion"])}
         f = check_fields(d, "completion", {"token_ids": list_of(nonneg), "logprobs": list_of(number),
                                            "finish_reason": string, "version_starts": list_of(list_of(nonneg)),
-                                           "ref_logprobs": list_of(number), "mask": list_of(nonneg),
+                                           "token_values": dict_of(list_of(number)), "mask": list_of(nonneg),
                                            "prompt_token_ids": list_of(nonneg), "episode": dict_of(lambda v: v)})
         if len(f["token_ids"]) != len(f["logprobs"]) or f["finish_reason"] not in ("stop", "length"):
             raise FieldError("completion: token_ids and logprobs differ in length, or finish_reason is not "
@@ -114,9 +115,10 @@ class Completion:
         if f["mask"] and (len(f["mask"]) != len(f["token_ids"]) or set(f["mask"]) - {0, 1}):
             raise FieldError(f"completion.mask: expected one 0/1 per token ({len(f['token_ids'])}), got "
                              f"{len(f['mask'])} values {sorted(set(f['mask']))}")
-        if len(f["ref_logprobs"]) > len(f["token_ids"]):
-            raise FieldError(f"completion.ref_logprobs: {len(f['ref_logprobs'])} values for "
-                             f"{len(f['token_ids'])} tokens")
+        for name, values in f["token_values"].items():
+            if len(values) > len(f["token_ids"]):
+                raise FieldError(f"completion.token_values[{name!r}]: {len(values)} values for "
+                                 f"{len(f['token_ids'])} tokens")
         starts = [s[1] if len(s) == 2 else -1 for s in f["version_starts"]]
         if -1 in starts or starts[:1] not in ([], [0]) or starts != sorted(starts):
             raise FieldError(f"completion.version_starts: expected [[version, first token], ...] starting at token 0 "
@@ -224,9 +226,9 @@ class RolloutBatch:
     # learner scores the batch itself. [P][n] combined reward (None: skipped), and each reward function's raw scores.
     rewards: list[list[float | None]] = field(default_factory=list)
     reward_components: dict[str, list[list[float | None]]] = field(default_factory=dict)
-    # [P] [batch, index] of each group in the prompt stream, when a step's batch is gathered from groups of several
-    # admitted batches (partial rollouts, `experimental/partial_rollouts.py`); empty: the groups are batch `batch_id`'s own
-    origins: list[list[int]] = field(default_factory=list)
+    # [P] what the batch schedule that formed this batch records about each prompt group (JSON values; partial
+    # rollouts: where in the prompt stream the group came from); empty: nothing (the core's own batches)
+    group_tags: list[dict] = field(default_factory=list)
     # the generator's cumulative speculative-decoding counters when it sent this (`VLLMBackend.spec_counters`: drafts,
     # draft_tokens, accepted_tokens); empty: no speculation
     spec: dict = field(default_factory=dict)
@@ -262,7 +264,7 @@ class RolloutBatch:
                 for group in self.sample_versions()]
 
     @classmethod
-    def merged(cls, batch_id: int, parts: list[RolloutBatch], origins: list[list[int]] | None = None) -> RolloutBatch:
+    def merged(cls, batch_id: int, parts: list[RolloutBatch], group_tags: list[dict] | None = None) -> RolloutBatch:
         """One batch of `parts` in order; its version is the oldest part's (the bound holds for every sample). Rewards
         travel only when every part was scored."""
         scored = all(p.rewards for p in parts)
@@ -273,7 +275,7 @@ class RolloutBatch:
                    rewards=[r for p in parts for r in p.rewards] if scored else [],
                    reward_components={name: [r for p in parts for r in p.reward_components[name]]
                                       for name in parts[0].reward_components} if scored else {},
-                   origins=origins or [])
+                   group_tags=group_tags or [])
 
     def select(self, rows: list[int]) -> RolloutBatch:
         """The prompt groups at `rows`, in that order, with their rewards; the version is the oldest of their tokens'
@@ -286,7 +288,7 @@ class RolloutBatch:
             prompt_token_ids=[self.prompt_token_ids[r] for r in rows], completions=completions,
             rewards=[self.rewards[r] for r in rows] if self.rewards else [],
             reward_components={k: [v[r] for r in rows] for k, v in self.reward_components.items()},
-            origins=[self.origins[r] for r in rows] if self.origins else [])
+            group_tags=[self.group_tags[r] for r in rows] if self.group_tags else [])
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -294,20 +296,23 @@ class RolloutBatch:
     @classmethod
     def from_dict(cls, d) -> RolloutBatch:
         """The one reader of `to_dict()`'s output: checkpoints, other learner ranks and the network all use it."""
-        if isinstance(d, dict):  # written before rewards (then origins) could travel with the rollouts
-            d = {"rewards": [], "reward_components": {}, "origins": [], "spec": {}, **d}
+        if isinstance(d, dict):  # written before rewards (then group tags) could travel with the rollouts
+            d = {"rewards": [], "reward_components": {}, "group_tags": [], "spec": {},
+                 **_renewed(d, RETIRED_FIELDS["rollouts"])}
         scores = list_of(list_of(optional(number)))
         f = check_fields(d, "rollouts", {
             "batch_id": nonneg, "generator_id": integer, "policy_version": nonneg, "prompt_ids": list_of(nonneg),
             "prompt_token_ids": list_of(list_of(nonneg)), "completions": list_of(list_of(Completion.from_dict)),
             "seconds": number, "chunk": nonneg, "num_chunks": nonneg, "rewards": scores,
-            "reward_components": dict_of(scores), "origins": list_of(list_of(nonneg)), "spec": dict_of(nonneg)},
+            "reward_components": dict_of(scores), "group_tags": list_of(dict_of(lambda v: v)),
+            "spec": dict_of(nonneg)},
             ignore=("kind", "token"))
         if not len(f["prompt_ids"]) == len(f["prompt_token_ids"]) == len(f["completions"]):
             raise FieldError(f"rollouts: {len(f['prompt_ids'])} prompt ids, {len(f['prompt_token_ids'])} prompts and "
                              f"{len(f['completions'])} completion groups")
-        if f["origins"] and (len(f["origins"]) != len(f["prompt_ids"]) or any(len(o) != 2 for o in f["origins"])):
-            raise FieldError(f"rollouts: origins must be empty or one [batch, index] per prompt, got {f['origins']}")
+        if f["group_tags"] and len(f["group_tags"]) != len(f["prompt_ids"]):
+            raise FieldError(f"rollouts: group_tags must be empty or one per prompt ({len(f['prompt_ids'])}), got "
+                             f"{len(f['group_tags'])}")
         shape = [len(g) for g in f["completions"]]
         for name, values in [("rewards", f["rewards"]), *f["reward_components"].items()]:
             if values and [len(g) for g in values] != shape:
@@ -358,6 +363,23 @@ class ScoredGroup:
 
 
 # ---- field checks for from_dict ----------------------------------------------------------------------------------
+# Fields that files of earlier versions hold under other names, read into today's (checkpoints outlive the code):
+# kind -> old field -> (today's field, the old value as today's). Only old files name these.
+RETIRED_FIELDS: dict[str, dict[str, tuple[str, Callable]]] = {
+    "completion": {"ref_logprobs": ("token_values", lambda v: {"ref_logprobs": v} if v else {})},
+    "rollouts": {"origins": ("group_tags", lambda v: [{"origin": o} for o in v])},
+}
+
+
+def _renewed(d: dict, retired: dict[str, tuple[str, Callable]]) -> dict:
+    """`d` with its retired fields under today's names."""
+    out = {k: v for k, v in d.items() if k not in retired}
+    for old, (new, convert) in retired.items():
+        if old in d and new not in d:
+            out[new] = convert(d[old])
+    return out
+
+
 def check_fields(d, kind: str, required: dict[str, Callable], ignore: tuple[str, ...] = ()) -> dict:
     """`d`'s fields converted by their checks; unknown (except `ignore`) or missing keys are an error."""
     if not isinstance(d, dict):

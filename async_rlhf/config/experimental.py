@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from async_rlhf.config import speculative
 from async_rlhf.config.checks import check_speculative, check_staleness_bound, comma_list
+from async_rlhf.errors import ConfigError
 
 
 @dataclass
@@ -112,6 +113,30 @@ class ExperimentalFields:
         once 'auto' is decided."""
         return speculative.vllm_config(self.speculative, self.num_speculative_tokens)
 
+    def needs_vllm(self) -> bool:
+        """A setting here that only vLLM generators serve is on (speculative decoding, 'auto' included):
+        generator_backend='auto' then takes vLLM without timing transformers (`generation/pool/backend_choice.py`)."""
+        return self.speculative != "off"
+
+    def settle_without_vllm(self, reason: str) -> list[str]:
+        """generator_backend='auto' found that vLLM cannot serve the policy (`reason`): a setting here that would only
+        have used it ('auto') is turned off, returned as a line to print; one that needs it is refused naming it."""
+        said = []
+        if self.speculative == "auto":  # nothing to measure
+            self.speculative = "off"
+            said.append(f"speculative='auto': off (vLLM cannot serve the policy here: {reason})")
+        if self.speculative != "off":
+            raise ConfigError(f"speculative: {self.speculative!r} needs vLLM generators, and generator_backend='auto' "
+                              f"cannot use vLLM here: {reason}; set speculative='off'")
+        if self.partial_rollouts:
+            raise ConfigError(f"partial_rollouts: needs streaming vLLM generators, and generator_backend='auto' cannot "
+                              f"use vLLM here: {reason}")
+        return said
+
+    def experimental_summary(self, stats: dict) -> dict:
+        """The run summary's sections of these settings (`trainers/run_summary.py`), from the pipeline's stats."""
+        return {"speculative": speculative.run_summary(self.speculative, self.num_speculative_tokens, stats)}
+
     def spare_generator_devices(self) -> dict[str, list[str]]:
         """Devices generators may be added on during the run, by the field that names them."""
         return {"generator_autoscale_devices": list(self.generator_autoscale_devices)}
@@ -120,3 +145,16 @@ class ExperimentalFields:
         """The most steps behind the learner any trained token may be: max_staleness under the 'oldest' rule,
         max_oldest_staleness under 'newest'."""
         return self.max_oldest_staleness if self.staleness_bound == "newest" else self.max_staleness
+
+
+def summary_lines(summary: dict) -> list[str]:
+    """The printed run summary's lines for `ExperimentalFields.experimental_summary`'s sections present in
+    `summary`."""
+    line = speculative.summary_line(summary.get("speculative", {}))
+    return [line] if line else []
+
+
+def server_argv(argv: list[str]) -> list[str]:
+    """`python -m async_rlhf.generation.serve`'s arguments with the flags of these settings (`--speculative`)
+    replaced by vLLM's own."""
+    return speculative.server_argv(argv)

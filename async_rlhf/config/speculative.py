@@ -17,6 +17,9 @@ Nothing here imports vLLM: the config checks run before any engine starts.
 from __future__ import annotations
 
 import importlib.util
+import json
+
+from async_rlhf.config.argv import flag_name, flag_value, without_flag
 
 METHODS = ("off", "ngram", "suffix", "history", "auto")
 MAX_TOKENS = 16  # vLLM accepts up to 128; beyond a few tokens the acceptance of cheap drafts is near zero
@@ -70,3 +73,46 @@ def vllm_config(method: str, num_tokens: int) -> dict | None:
     if method == "history":
         return {"method": "custom_class", "model": HISTORY_CLASS, "num_speculative_tokens": num_tokens}
     raise ValueError(f"speculative method {method!r} has no vLLM config (decide 'auto' first)")
+
+
+def server_argv(argv: list[str]) -> list[str]:
+    """`python -m async_rlhf.generation.serve`'s arguments with our `--speculative METHOD [--speculative_tokens K]`
+    replaced by vLLM's `--speculative-config JSON`. Raises SystemExit naming the option for a setting that cannot
+    run."""
+    method = flag_value(argv, "--speculative", "off")
+    tokens = flag_value(argv, "--speculative-tokens", "4")
+    argv = without_flag(without_flag(argv, "--speculative"), "--speculative-tokens")
+    if method == "off":
+        return argv
+    if method == "auto":
+        raise SystemExit("--speculative auto: only local generators measure; pick ngram, suffix or history")
+    try:
+        count = int(tokens)
+    except ValueError:
+        raise SystemExit(f"--speculative_tokens: expected an integer, got {tokens!r}") from None
+    try:
+        check(method, count, "vllm", servers=False)
+    except SpeculativeError as exc:
+        raise SystemExit(f"--{exc}") from None
+    if any(flag_name(a) == "--speculative-config" for a in argv):
+        raise SystemExit("--speculative: give either it or vLLM's --speculative-config, not both")
+    return argv + ["--speculative-config", json.dumps(vllm_config(method, count))]
+
+
+def run_summary(method: str, num_tokens: int, stats: dict) -> dict:
+    """The run summary's "speculative" section: the method and, with speculation, its counters from the pipeline's
+    stats (`pipeline/records.py`); {"method": "off"} without."""
+    out = {"method": method}
+    if method != "off":
+        out["num_speculative_tokens"] = num_tokens
+        out.update({k.removeprefix("generator/spec_"): v for k, v in stats.items() if k.startswith("generator/spec_")})
+    return out
+
+
+def summary_line(section: dict) -> str | None:
+    """The printed summary's line for `run_summary`'s section (None: no speculation)."""
+    if section.get("method", "off") == "off":
+        return None
+    return (f"speculative {section['method']} ({section['num_speculative_tokens']} draft tokens): acceptance "
+            f"{section.get('acceptance_rate', 0):.2f} | mean accepted length {section.get('mean_accepted_length', 0):.2f} "
+            f"| drafted {section.get('drafted_tokens', 0):.0f} tokens, wasted {section.get('wasted_tokens', 0):.0f}")

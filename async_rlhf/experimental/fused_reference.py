@@ -1,7 +1,7 @@
 """Reference log-probs as each part arrives (RLHFuse's inter-stage fusion, the reference half): learner rank 0's
 scoring thread (`scoring/stage.py`) runs the frozen reference model over every completion of the parts that have
 arrived, while the generators produce the rest of the batch, and each completion carries its values
-(`Completion.ref_logprobs`) into the staleness queue, checkpoints and the other learner ranks (as JSON, like the
+(`Completion.token_values`, under `learner/logprobs.REFERENCE`) into the staleness queue, checkpoints and the other learner ranks (as JSON, like the
 rewards). The learner's step then skips its reference forward (`logprobs.sequence_terms`, `fused_temperature`).
 
 Equal to the step's own: the same function computes both (`logprobs.reference_token_logps`, with the same
@@ -24,13 +24,13 @@ import math
 
 import torch
 
-from async_rlhf.learner.logprobs import completion_batch, length_buckets, reference_token_logps
+from async_rlhf.learner.logprobs import REFERENCE, completion_batch, length_buckets, reference_token_logps
 from async_rlhf.types import RolloutBatch, ScoredGroup
 
 
 def reference_parts(parts: list[RolloutBatch], ref_model, *, pad_id: int, max_length: int, device,
                     temperature: float, shared_prefix: bool) -> list[RolloutBatch]:
-    """`parts` with every completion's `ref_logprobs` filled: one packing of all their completions, run as the
+    """`parts` with every completion's reference log-probs filled (`token_values[REFERENCE]`): one packing of all their completions, run as the
     learner's step would run it (length buckets; each prompt once with `shared_prefix`)."""
     groups = [ScoredGroup(pid, prompt, group, [0.0] * len(group), part.policy_version)
               for part in parts for pid, prompt, group in zip(part.prompt_ids, part.prompt_token_ids,
@@ -51,7 +51,9 @@ def reference_parts(parts: list[RolloutBatch], ref_model, *, pad_id: int, max_le
             for c in group:
                 values, marks = next(rows)
                 row = values[marks].tolist()
-                filled.append(dataclasses.replace(c, ref_logprobs=row if all(map(math.isfinite, row)) else []))
+                ok = all(map(math.isfinite, row))
+                filled.append(dataclasses.replace(c, token_values={**c.token_values, REFERENCE: row} if ok
+                                                  else c.token_values))
             completions.append(filled)
         out.append(dataclasses.replace(part, completions=completions))
     return out

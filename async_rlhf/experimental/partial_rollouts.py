@@ -31,7 +31,7 @@ Guarantees:
   waits for it, so a prompt whose samples are always long is trained at its second attempt instead
   of being dropped for ever. Pinned groups due at one step beyond `prompts_per_step` are dropped again (counted).
 * **Exactly once.** Every group of the stream up to the run's last step is trained by exactly one step (none twice,
-  none skipped); `RolloutBatch.origins` names, for each prompt of a step's batch, its (batch, index), which is what
+  none skipped); `RolloutBatch.group_tags` names, for each prompt of a step's batch, its (batch, index) (`origin`), which is what
   `trained_batches.jsonl` records (`groups`, with each group's version span, `group_versions`).
 * **Checkpoints** (`state`/`restore`): the open groups, the next group to send and the counters; finished but
   untrained groups are saved with their samples (the checkpoint's pending rollouts) and restored as they were
@@ -53,6 +53,13 @@ from typing import Callable
 from async_rlhf.errors import StageTimeout
 from async_rlhf.pipeline.batch_forming import PipelineAccess
 from async_rlhf.types import RolloutBatch
+
+ORIGIN = "origin"  # the `RolloutBatch.group_tags` key of a group's [batch, index] in the prompt stream
+
+
+def origins(batch: RolloutBatch) -> list[list[int]]:
+    """[P] [batch, index] in the prompt stream of each group of a batch this schedule formed ([] for another's)."""
+    return [tag[ORIGIN] for tag in batch.group_tags if ORIGIN in tag]
 
 
 @dataclasses.dataclass
@@ -157,7 +164,7 @@ class PartialRollouts:
             if g.rollouts is None:
                 g.carried = True
         self.step = step + 1
-        return RolloutBatch.merged(step, [g.rollouts for g in parts], origins=[list(k) for k in chosen])
+        return RolloutBatch.merged(step, [g.rollouts for g in parts], group_tags=[{ORIGIN: list(k)} for k in chosen])
 
     def _timeout_message(self, step: int, timeout: float) -> str:
         ready = sum(g.rollouts is not None for g in self.open.values())
@@ -280,4 +287,4 @@ class PartialBatches:
 
     def describe(self, batch: RolloutBatch) -> dict:
         """For the trained-batch record: each group's place in the prompt stream and its version span."""
-        return {"groups": batch.origins, "group_versions": batch.group_versions()} if batch.origins else {}
+        return {"groups": origins(batch), "group_versions": batch.group_versions()} if batch.group_tags else {}

@@ -48,7 +48,9 @@ import threading
 import time
 import urllib.request
 
+from async_rlhf.config.argv import flag_name, flag_value, without_flag
 from async_rlhf.config.checks import is_loopback  # the one rule for what counts as loopback
+from async_rlhf.config.experimental import server_argv
 from async_rlhf.weight_sync.network import PROBE_ROUTE, reads_probe
 
 TOKEN_ENV = "ASYNC_RLHF_GENERATOR_TOKEN"
@@ -140,69 +142,21 @@ def check_bind(host: str, allow_remote: bool, token: str) -> None:
                          "print(secrets.token_hex(16))')`)")
 
 
-def _flag(arg: str) -> str:
-    return arg.split("=", 1)[0].replace("_", "-")
-
-
-def _value(argv: list[str], flag: str, default: str) -> str:
-    for i, arg in enumerate(argv):
-        if _flag(arg) == flag:
-            return arg.split("=", 1)[1] if "=" in arg else argv[i + 1]
-    return default
-
-
-def _without(argv: list[str], flag: str) -> list[str]:
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif _flag(arg) == flag:
-            skip = "=" not in arg
-        else:
-            out.append(arg)
-    return out
-
-
-def speculative_argv(argv: list[str]) -> list[str]:
-    """Replace our `--speculative METHOD [--speculative_tokens K]` by vLLM's `--speculative-config JSON`. Raises
-    SystemExit naming the option for a setting that cannot run."""
-    from async_rlhf.config import speculative
-
-    method = _value(argv, "--speculative", "off")
-    tokens = _value(argv, "--speculative-tokens", "4")
-    argv = _without(_without(argv, "--speculative"), "--speculative-tokens")
-    if method == "off":
-        return argv
-    if method == "auto":
-        raise SystemExit("--speculative auto: only local generators measure; pick ngram, suffix or history")
-    try:
-        count = int(tokens)
-    except ValueError:
-        raise SystemExit(f"--speculative_tokens: expected an integer, got {tokens!r}") from None
-    try:
-        speculative.check(method, count, "vllm", servers=False)
-    except speculative.SpeculativeError as exc:
-        raise SystemExit(f"--{exc}") from None
-    if any(_flag(a) == "--speculative-config" for a in argv):
-        raise SystemExit("--speculative: give either it or vLLM's --speculative-config, not both")
-    return argv + ["--speculative-config", json.dumps(speculative.vllm_config(method, count))]
-
-
 def vllm_argv(argv: list[str], token: str, on_cpu: bool) -> list[str]:
     """vLLM's arguments for our command line `argv` (with `--allow_remote` already removed). Raises SystemExit for
     a bind that `check_bind` refuses; `--port 0` is replaced by a free port."""
-    argv = speculative_argv(argv)
-    if any(_flag(a) == "--api-key" for a in argv):
+    argv = server_argv(argv)
+    if any(flag_name(a) == "--api-key" for a in argv):
         raise SystemExit(f"--api-key: use {TOKEN_ENV} instead (it guards every route, --api-key only /v1)")
-    given = {_flag(a) for a in argv if a.startswith("--")}
+    given = {flag_name(a) for a in argv if a.startswith("--")}
     given |= {"--" + f[len("--no-"):] for f in given if f.startswith("--no-")}
     given |= {"--no-" + f[2:] for f in given}
     out = list(argv)
     if "--host" not in given:
         out += ["--host", "127.0.0.1"]
-    if _value(out, "--port", "8000") == "0":
-        out = _without(out, "--port")
-        host = _value(out, "--host", "127.0.0.1")
+    if flag_value(out, "--port", "8000") == "0":
+        out = without_flag(out, "--port")
+        host = flag_value(out, "--host", "127.0.0.1")
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:  # the port may be taken between here and vLLM's bind: a start-up error then
             s.bind((host, 0))
             out += ["--port", str(s.getsockname()[1])]

@@ -19,6 +19,10 @@ import torch.nn.functional as F
 from async_rlhf.learner.peft_policy import adapters_off
 from async_rlhf.types import Completion, ScoredGroup
 
+# `Completion.token_values` key of the frozen reference's log-probs, when a scoring stage computed them before the
+# step (`experimental/fused_reference.py`)
+REFERENCE = "ref_logprobs"
+
 
 def pack_sequences(prompts: list[list[int]], completions: list[list[int]], pad_id: int, max_length: int,
                    masks: list[list[int]] | None = None):
@@ -188,7 +192,7 @@ def sequence_terms(model, ref_model, groups: list[ScoredGroup], *, pad_id: int, 
     Every way gives the same log-probs within float tolerance (tests/unit/learner/test_shared_prefix.py).
 
     `fused_temperature`: the temperature at which learner rank 0's scoring thread computed the reference log-probs
-    that the completions carry (`Completion.ref_logprobs`, `experimental/fused_reference.py`); when it is `temperature` and every
+    that the completions carry (`Completion.token_values[REFERENCE]`, `experimental/fused_reference.py`); when it is `temperature` and every
     row carries them, the reference does not run here. None: never use carried values."""
     ids, attn, comp, completions = completion_batch(groups, pad_id, max_length, device, select)
     buckets = length_buckets(attn.sum(-1).tolist()) if split_forwards else [list(range(len(ids)))]
@@ -228,9 +232,9 @@ def carried_ref_logps(completions: list[Completion], mask: torch.Tensor) -> torc
     """The reference log-probs the rows' completions carry, laid out like `mask` ([B, L-1]); None unless every row
     carries one value per position its mask marks."""
     counts = mask.sum(-1).tolist()
-    if any(len(c.ref_logprobs) != n for c, n in zip(completions, counts)):
+    if any(len(c.token_values.get(REFERENCE, ())) != n for c, n in zip(completions, counts)):
         return None
-    values = torch.tensor([v for c in completions for v in c.ref_logprobs], dtype=mask.dtype, device=mask.device)
+    values = torch.tensor([v for c in completions for v in c.token_values[REFERENCE]], dtype=mask.dtype, device=mask.device)
     return torch.zeros_like(mask).masked_scatter(mask.bool(), values)  # row-major: each row's tokens in order
 
 

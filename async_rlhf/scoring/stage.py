@@ -6,7 +6,7 @@ Owns one daemon thread (`async_rlhf-scorer`) and its queue, both on rank 0. The 
 arrival order; it takes every part that has arrived and runs them through its stages in order, each stage one call
 over all of them (`stage(parts) -> parts`): "reward" (`scoring.score_parts`, `rewards` filled: a group at a time
 would run a reward model on batches of n), then, where the learner's loss has a frozen reference model,
-"reference" (`fused_reference.reference_parts`, each completion's `ref_logprobs` filled). It passes the parts on in
+"reference" (`fused_reference.reference_parts`, each completion's reference log-probs filled). It passes the parts on in
 arrival order to `assemble` (the pipeline's reassembly, which puts a complete batch into the staleness queue). So
 a batch reaches the queue already scored, and the learner ranks neither score it again (`scoring.score_rows`) nor
 run the reference model on it (`logprobs.sequence_terms`).

@@ -8,19 +8,11 @@ prediction from the run's own stage times and names a predicted-faster configura
 
 from __future__ import annotations
 
+from async_rlhf.config.experimental import summary_lines
 from async_rlhf.plan.feedback import feedback, format_feedback
 from async_rlhf.trainers.startup import StartupTimeline
 
 FINAL_METRICS = ("objective/scores", "objective/kl", "objective/rlhf_reward", "loss")
-
-
-def _speculative(args, stats: dict) -> dict:
-    """The method and, with speculation, its counters: {"method": "off"} without (`pipeline/records.py`)."""
-    out = {"method": args.speculative}
-    if out["method"] != "off":
-        out["num_speculative_tokens"] = args.num_speculative_tokens
-        out.update({k.removeprefix("generator/spec_"): v for k, v in stats.items() if k.startswith("generator/spec_")})
-    return out
 
 
 def build_summary(pipeline, args, accelerator, steps: int, wall: float, loop_seconds: float,
@@ -59,7 +51,7 @@ def build_summary(pipeline, args, accelerator, steps: int, wall: float, loop_sec
         "scoring_seconds": stats.get("scoring/seconds", 0.0),  # rank 0's scoring thread (score_while_generating)
         "scoring_hidden_fraction": stats.get("scoring/hidden_fraction"),  # of it, before a batch's last part landed
         "completion_length_counts": {int(k): v for k, v in sorted(r.length_counts.items())},
-        "speculative": _speculative(args, stats),
+        **args.experimental_summary(stats),  # the optional settings' own sections (config/experimental.py)
         "generator_imbalance": {k.split("/")[1]: v for k, v in stats.items() if k.startswith("generator/imbalance")},
         "staleness_histogram": {int(k): v for k, v in sorted(p.queue.staleness_counts.items())},
         "dropped": p.queue.dropped,
@@ -79,12 +71,6 @@ def build_summary(pipeline, args, accelerator, steps: int, wall: float, loop_sec
     # the simulator fed with this run's stage times: its predicted step time, and a faster set-up if it finds one
     summary["plan"] = feedback(summary, args, accelerator.num_processes)
     return summary
-
-
-def _format_speculative(sp: dict) -> str:
-    return (f"speculative {sp['method']} ({sp['num_speculative_tokens']} draft tokens): acceptance "
-            f"{sp.get('acceptance_rate', 0):.2f} | mean accepted length {sp.get('mean_accepted_length', 0):.2f} | "
-            f"drafted {sp.get('drafted_tokens', 0):.0f} tokens, wasted {sp.get('wasted_tokens', 0):.0f}")
 
 
 def _format_places(places: dict) -> str:
@@ -112,5 +98,5 @@ def format_summary(s: dict) -> str:
     ] + ([_format_places(s["generator_places"])] if s.get("generator_places") else [])
       + ([f"weights never acknowledged (generator: versions): {s['generator_versions_pending']}"]
          if s.get("generator_versions_pending") else [])
-      + ([_format_speculative(s["speculative"])] if s.get("speculative", {}).get("method", "off") != "off" else [])
+      + summary_lines(s)
       + ([StartupTimeline.format(s["startup"])] if s.get("startup") else []) + ([format_feedback(s["plan"])] if s.get("plan") else []))

@@ -132,22 +132,11 @@ def resolve_generator_backend(args, model_config, architecture: str, dtype: str,
     if args.generator_backend != "auto":
         return args.generator_backend
     reason = None if args.generator_servers else why_not_vllm(args, model_config, architecture, dtype, facts_fn)
-    speculative = args.speculative
-    if speculative == "auto" and reason is not None:  # nothing to measure: vLLM cannot serve the policy
-        _say(args, f"speculative='auto': off (vLLM cannot serve the policy here: {reason})")
-        args.speculative = speculative = "off"
-    if speculative != "off":  # only vLLM speculates: no race against transformers
-        if reason is not None:
-            raise ConfigError(f"speculative: {speculative!r} needs vLLM generators, and generator_backend='auto' cannot "
-                              f"use vLLM here: {reason}; set speculative='off'")
-        args.generator_backend = "vllm"
-        return "vllm"
-    if reason is None:
-        args.generator_backend = _measured_choice(args, model_config, dtype, workload)
+    if reason is None:  # an optional setting only vLLM serves (speculation) takes it without a race
+        args.generator_backend = "vllm" if args.needs_vllm() else _measured_choice(args, model_config, dtype, workload)
         return args.generator_backend
-    if args.partial_rollouts:
-        raise ConfigError(f"partial_rollouts: needs streaming vLLM generators, and generator_backend='auto' cannot "
-                          f"use vLLM here: {reason}")
+    for line in args.settle_without_vllm(reason):  # optional settings that would only have used vLLM
+        _say(args, line)
     if args.generation_mode == "stream":
         raise ConfigError(f"generation_mode: 'stream' needs vLLM, and generator_backend='auto' cannot use it here: "
                           f"{reason}")

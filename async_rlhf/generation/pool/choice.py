@@ -7,14 +7,16 @@
   `generator_launcher='ray'` (`ray_launcher.py`: on any node of the cluster, weights over the network, when it has
   nodes besides learner rank 0's; on rank 0's node otherwise); the pool spawned while the trainer was built is used if it runs
   exactly these generators (`early_start.py`). Its generator schedule (`scheduling.py`) is the default unless the
-  caller passes another (`experimental/schedules.py`). Weights through `weight_sync.make_transport` (shm files, or
-  CUDA IPC when colocated), or, with `weight_transport='network'` (or Ray actors that may run on other nodes), a
-  weight group per generator fed by `network_feeds.NetworkFeeds`.
+  caller passes another (`experimental/schedules.py`). Where they run and how weights reach them is decided once,
+  before the pool is built, into a frozen `GeneratorPlan` (`plan_generators`) that the pool and the transport are made
+  from: `weight_sync.make_transport` (shm files, or CUDA IPC when colocated), or, with `weight_transport='network'`
+  (or Ray actors that may run on other nodes), a weight group per generator fed by `network_feeds.NetworkFeeds`.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Callable
 
 from async_rlhf.generation.engine.worker import GeneratorSpec, generator_spec, generator_specs
@@ -58,23 +60,49 @@ def make_pool(args, on_rollouts: Callable[[RolloutBatch], None], initial_version
             token=os.environ.get(TOKEN_ENV, ""), min_model_len=args.max_length, weight_load=args.weight_load,
             weight_transport=args.weight_transport, network={**network_options(args), "backend": args.network_backend})
         return transport, pool, FixedGenerators()
+    plan = plan_generators(args, model_path)
     specs = generator_specs(args, model_path, engine_kwargs, initial_version, stream_engine, episodes)
-    launcher = make_launcher(args, model_path)  # Ray: decides where the actors may run, and so their weights
-    weights = launcher.weights if launcher is not None else args.local_weight_transport
-    pool = adopt_or_close(early_pool, specs, on_rollouts, pool_class) or pool_class(
+    transport, feeds = weight_route(args, plan, device)
+    pool = adopt_or_close(early_pool, specs, on_rollouts, pool_class, plan.weights, feeds) or pool_class(
         specs, on_rollouts, args.generator_start_timeout, args.weight_sync_timeout, args.generator_max_restarts,
-        launcher=launcher)
-    pool.weights = weights
-    if weights == "network":
-        from async_rlhf.generation.pool.network_feeds import NetworkFeeds
-
-        transport = StateTransport(args.shm_dir)
-        transport.use("network")
-        pool.feeds = NetworkFeeds(transport, network_options(args), args.generator_start_timeout +
-                                  args.weight_sync_timeout, workers=args.vllm_tensor_parallel_size)
-    else:
-        transport = make_transport(args, device)
+        launcher=plan.launcher, weights=plan.weights, feeds=feeds)
     if scheduling is not None:
         pool.scheduling = scheduling(pool, lambda i, dev: generator_spec(
             args, model_path, engine_kwargs, initial_version, i, dev, stream_engine, episodes))
     return transport, pool, pool.scheduling
+
+
+@dataclass(frozen=True)
+class GeneratorPlan:
+    """Where a run's local generators run and how their weights reach them, decided once, before the pool is built
+    (`plan_generators`); the pool and the weight transport are made from it. The backend (and with it any
+    speculation) was decided before: `backend_choice.py`, `experimental/schedules.before_spawn`."""
+
+    backend: str  # 'vllm' or 'transformers'
+    launcher: object | None  # a Ray launcher with its placement planned (`ray_launcher.RayLauncher`); None: processes
+    weights: str  # 'shm' or 'ipc' (learner rank 0's node), 'network' (anywhere): `config.checks.choose_transport`
+
+    @property
+    def network_only(self) -> bool:
+        """Every update goes over the network (what ZeRO-3 partitions need: `weight_sync/partitions.py`)."""
+        return self.weights == "network"
+
+
+def plan_generators(args, model_path: str) -> GeneratorPlan:
+    """The plan for `args`' local generators: Ray placement (which decides their weights) or processes on this
+    host, with the transport `args.local_weight_transport` chose."""
+    launcher = make_launcher(args, model_path)  # Ray: decides where the actors may run, and so their weights
+    weights = launcher.weights if launcher is not None else args.local_weight_transport
+    return GeneratorPlan(args.generator_backend, launcher, weights)
+
+
+def weight_route(args, plan: GeneratorPlan, device) -> tuple[WeightTransport, object | None]:
+    """(the learner's weight transport, the network feeds the pool opens for each generator or None) for `plan`."""
+    if not plan.network_only:
+        return make_transport(args, device), None
+    from async_rlhf.generation.pool.network_feeds import NetworkFeeds
+
+    transport = StateTransport(args.shm_dir)
+    transport.use("network")
+    return transport, NetworkFeeds(transport, network_options(args), args.generator_start_timeout +
+                                   args.weight_sync_timeout, workers=args.vllm_tensor_parallel_size)

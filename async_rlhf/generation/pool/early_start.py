@@ -96,21 +96,25 @@ def spawn_early(args, model, dtype: str, stream_engine: type | None = None,
     specs = generator_specs(args, model, engine_kwargs(args, dtype), initial_version=0, stream_engine=stream_engine,
                             episodes=episodes)
     pool = pool_class(specs, None, args.generator_start_timeout, args.weight_sync_timeout,
-                      args.generator_max_restarts)
+                      args.generator_max_restarts, weights=args.local_weight_transport)
     pool.spawn()
     return pool
 
 
 def adopt_or_close(pool: GeneratorPool | None, specs: list[GeneratorSpec], on_rollouts,
-                   pool_class: type[GeneratorPool] = GeneratorPool) -> GeneratorPool | None:
-    """`pool` wired to `on_rollouts` if it is a `pool_class` running exactly `specs`; else close it (None)."""
+                   pool_class: type[GeneratorPool] = GeneratorPool, weights: str = "shm",
+                   feeds=None) -> GeneratorPool | None:
+    """`pool` wired to `on_rollouts` (and the run's network `feeds`, which it opens at start) if it is a `pool_class`
+    running exactly `specs` with weights over `weights`; else close it (None)."""
     if pool is None:
         return None
-    if pool.specs == specs and type(pool) is pool_class:
+    if pool.specs == specs and type(pool) is pool_class and pool.weights == weights:
         pool.on_rollouts = on_rollouts
+        pool.feeds = feeds
         return pool
     differ = sorted({f for a, b in zip(pool.specs, specs) for f in GeneratorSpec.__dataclass_fields__
-                     if getattr(a, f) != getattr(b, f)} | ({"count"} if len(pool.specs) != len(specs) else set()))
+                     if getattr(a, f) != getattr(b, f)} | ({"count"} if len(pool.specs) != len(specs) else set())
+                    | ({"weights"} if pool.weights != weights else set()))
     logger.info("generators spawned early differ from those needed (%s); starting them again", ", ".join(differ))
     pool.close()
     return None

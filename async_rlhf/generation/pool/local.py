@@ -66,7 +66,8 @@ class GeneratorPool:
     """Generator processes on this machine (see `pipeline/generator_pool.GeneratorPoolProtocol`)."""
 
     def __init__(self, specs: list[GeneratorSpec], on_rollouts: Callable[[RolloutBatch], None] | None,
-                 start_timeout: float, weight_sync_timeout: float, max_restarts: int = 3, launcher=None):
+                 start_timeout: float, weight_sync_timeout: float, max_restarts: int = 3, launcher=None,
+                 weights: str = "shm", feeds=None):
         self.specs = list(specs)
         self.on_rollouts = on_rollouts
         self.start_timeout = start_timeout
@@ -86,8 +87,8 @@ class GeneratorPool:
         self._in_flight: dict[int, dict[tuple[int, int], GenerationRequest]] = {s.generator_id: {} for s in self.specs}
         self._last_update: WeightUpdate | None = None
         self.scheduling: GeneratorScheduling = FixedGenerators()  # set by `choice.make_pool` before `start`
-        self.feeds = None  # `network_feeds.NetworkFeeds` for the "network" weight transport: set before `start`
-        self.weights = "shm"  # how weights reach the generators (shm, ipc or network): set by `choice.make_pool`
+        self.feeds = feeds  # `network_feeds.NetworkFeeds` for the "network" weight transport (`choice.weight_route`)
+        self.weights = weights  # how weights reach the generators (shm, ipc or network): `choice.GeneratorPlan`
         self.places: dict[int, dict] = {}  # generator -> {device, where, weights} of its latest incarnation, once ready
         self._starting: dict[int, float] = {}  # generator -> time a restart was spawned (until Ready)
         self._errors: dict[int, str] = {}  # generator -> last error reported

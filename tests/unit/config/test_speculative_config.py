@@ -12,7 +12,7 @@ import pytest
 from async_rlhf.config import speculative
 from async_rlhf.errors import ConfigError
 from async_rlhf.experimental.speculative import history_proposer
-from async_rlhf.generation.serve import speculative_argv
+from async_rlhf.config.speculative import server_argv as speculative_argv
 
 
 @pytest.mark.parametrize("fields, words", [

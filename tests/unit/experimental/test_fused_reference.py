@@ -12,7 +12,7 @@ import torch
 from async_rlhf.data.tiny_model import char_tokenizer, tiny_llama
 from async_rlhf.errors import FieldError
 from async_rlhf.experimental.fused_reference import reference_parts
-from async_rlhf.learner.logprobs import sequence_terms
+from async_rlhf.learner.logprobs import REFERENCE, sequence_terms
 from async_rlhf.scoring.stage import ScoringStage
 from async_rlhf.types import Completion, RolloutBatch, ScoredGroup
 
@@ -92,11 +92,14 @@ def test_carried_values_are_used_only_when_they_fit():
 
 
 def test_a_completion_refuses_more_reference_values_than_tokens():
-    d = Completion([5, 6], [-1.0, -1.0], "stop", ref_logprobs=[-0.5, -0.25, -2.0]).__dict__
-    with pytest.raises(FieldError, match="ref_logprobs: 3 values for 2 tokens"):
+    d = Completion([5, 6], [-1.0, -1.0], "stop", token_values={REFERENCE: [-0.5, -0.25, -2.0]}).__dict__
+    with pytest.raises(FieldError, match="token_values\\['ref_logprobs'\\]: 3 values for 2 tokens"):
         Completion.from_dict(dict(d))
-    old = {k: v for k, v in d.items() if k not in ("ref_logprobs", "version_starts")}  # an older checkpoint
-    assert Completion.from_dict(old).ref_logprobs == []
+    older = {k: v for k, v in d.items() if k not in ("token_values", "version_starts")}  # an older checkpoint
+    assert Completion.from_dict(older).token_values == {}
+    # one written while the values had a field of their own: read into today's
+    assert Completion.from_dict({**older, "ref_logprobs": [-0.5, -0.25]}).token_values == {REFERENCE: [-0.5, -0.25]}
+    assert Completion.from_dict({**older, "ref_logprobs": []}).token_values == {}
 
 
 def test_each_stage_is_timed_and_only_work_after_a_batchs_last_part_counts_as_exposed():

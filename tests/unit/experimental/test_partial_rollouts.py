@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from async_rlhf.errors import CheckpointError, ConfigError, StageTimeout
-from async_rlhf.experimental.partial_rollouts import PartialRollouts, restore_partial
+from async_rlhf.experimental.partial_rollouts import PartialRollouts, origins, restore_partial
 from async_rlhf.types import Completion, RolloutBatch
 
 P = 2  # prompts per step
@@ -56,14 +56,14 @@ def test_a_step_closes_on_the_first_finished_groups_and_carries_the_rest():
     for b, j in [(1, 1), (2, 0)]:  # the two quickest, not batch 0's
         pr.arrived(group(b, j, 0))
     batch = pr.take(0, timeout=1, poll=noop, dispatch=noop)
-    assert batch.batch_id == 0 and batch.origins == [[1, 1], [2, 0]] and batch.prompt_ids == [3, 4]
+    assert batch.batch_id == 0 and origins(batch) == [[1, 1], [2, 0]] and batch.prompt_ids == [3, 4]
     assert pr.open.keys() == {(0, 0), (0, 1), (1, 0)}  # still generating: carried into step 1
     pr.dispatch(queued_version=1, total_steps=10)
     assert book.sent[5:] == [(2, 1, 0), (3, 0, 0)]  # the capacity refilled: P groups
     for b, j in [(0, 0), (0, 1)]:
         pr.arrived(group(b, j, 0))
     batch = pr.take(1, timeout=1, poll=noop, dispatch=noop)
-    assert batch.origins == [[0, 0], [0, 1]] and batch.policy_version == 0
+    assert origins(batch) == [[0, 0], [0, 1]] and batch.policy_version == 0
     assert pr.carried == 2 and pr.trained == 4
 
 
@@ -82,19 +82,19 @@ def test_a_group_too_stale_to_train_is_dropped_regenerated_pinned_and_waited_for
     for key in [(3, 0), (3, 1)]:
         pr.arrived(group(*key, 2))
     batch = pr.take(2, 1, noop, noop)
-    assert [2, 0] not in batch.origins and pr.dropped == 1
+    assert [2, 0] not in origins(batch) and pr.dropped == 1
     pr.dispatch(3, 10)
     assert (2, 0, 1) in book.sent  # regenerated: attempt 1, its own seeds
     assert pr.open[(2, 0)].sent_version == 3  # due at step 4 (3 + max_staleness)
     # step 3 does not wait for it (not due yet); step 4 does, even with other groups finished
     for key in [(2, 1), (4, 0), (4, 1), (5, 0)]:
         pr.arrived(group(*key, 3))
-    assert [2, 0] not in pr.take(3, 1, noop, noop).origins
+    assert [2, 0] not in origins(pr.take(3, 1, noop, noop))
     pr.dispatch(4, 10)
     with pytest.raises(StageTimeout, match="step 4"):
         pr.take(4, timeout=0.3, poll=noop, dispatch=noop)
     pr.arrived(group(2, 0, 3))
-    assert [2, 0] in pr.take(4, 1, noop, noop).origins
+    assert [2, 0] in origins(pr.take(4, 1, noop, noop))
 
 
 def test_every_group_is_trained_exactly_once_whatever_the_finishing_order():
@@ -117,7 +117,7 @@ def test_every_group_is_trained_exactly_once_whatever_the_finishing_order():
             except StageTimeout:
                 continue
         assert all(step - 2 <= v[0] for v in batch.group_versions())  # never past the bound
-        trained += [tuple(o) for o in batch.origins]
+        trained += [tuple(o) for o in origins(batch)]
         version = step + 1
         pr.dispatch(version, steps)
     assert len(trained) == len(set(trained)) == steps * P
@@ -129,7 +129,7 @@ def test_arrivals_from_another_thread_wake_the_step():
     pr, _ = ledger()
     pr.dispatch(0, 10)
     threading.Timer(0.2, lambda: [pr.arrived(group(0, j, 0)) for j in range(P)]).start()
-    assert pr.take(0, timeout=5, poll=noop, dispatch=noop).origins == [[0, 0], [0, 1]]
+    assert origins(pr.take(0, timeout=5, poll=noop, dispatch=noop)) == [[0, 0], [0, 1]]
 
 
 def test_checkpoint_keeps_finished_groups_and_regenerates_unfinished_ones():
@@ -149,7 +149,7 @@ def test_checkpoint_keeps_finished_groups_and_regenerates_unfinished_ones():
     assert book.sent[:2] == [(0, 1, 0), (1, 1, 0)]  # the unfinished ones, from their prompts, with their seeds
     assert (2, 0) not in [(b, j) for b, j, _ in book.sent]  # the finished one is not generated again
     resumed.arrived(group(0, 1, 1))
-    assert resumed.take(1, 1, noop, noop).origins == [[2, 0], [0, 1]]  # oldest version first
+    assert origins(resumed.take(1, 1, noop, noop)) == [[2, 0], [0, 1]]  # oldest version first
     with pytest.raises(CheckpointError, match="partial_rollouts"):
         restore_partial(None, 0, 1, finished, {"partial": state})
     with pytest.raises(CheckpointError, match="partial_rollouts"):

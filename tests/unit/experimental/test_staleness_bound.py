@@ -9,7 +9,7 @@ import pytest
 
 from async_rlhf import AsyncOnlineDPOConfig, AsyncRLOOConfig
 from async_rlhf.errors import ConfigError
-from async_rlhf.experimental.partial_rollouts import PartialRollouts, deadline
+from async_rlhf.experimental.partial_rollouts import PartialRollouts, deadline, origins
 from async_rlhf.types import Completion, RolloutBatch
 
 P = 2  # prompts per step
@@ -91,9 +91,9 @@ def test_a_group_that_kept_sampling_on_fresh_weights_trains_under_newest_and_is_
         batch = pr.take(2, 1, noop, noop)
         assert pr.dropped == expect_dropped, cap
         if cap is None:  # "oldest": deadline 0 + 1 < 2, dropped and regenerated; batch 3's fresh groups train
-            assert batch.origins == [[3, 0], [3, 1]]
+            assert origins(batch) == [[3, 0], [3, 1]]
         else:  # "newest": deadline min(2 + 1, 0 + 3) = 3, trained first (earliest deadline), oldest token 2 behind
-            assert batch.origins == [[2, 0], [2, 1]] and batch.policy_version == 0 and batch.newest_version() == 2
+            assert origins(batch) == [[2, 0], [2, 1]] and batch.policy_version == 0 and batch.newest_version() == 2
 
 
 def test_under_newest_a_sample_that_ended_early_and_a_too_old_token_are_still_dropped():
@@ -113,7 +113,7 @@ def test_under_newest_a_sample_that_ended_early_and_a_too_old_token_are_still_dr
     pr.arrived(group(4, 0, sample((3, 0))))
     pr.arrived(group(4, 1, sample((3, 0))))
     batch = pr.take(3, 1, noop, noop)
-    assert pr.dropped == 2 and batch.origins == [[4, 0], [4, 1]]
+    assert pr.dropped == 2 and origins(batch) == [[4, 0], [4, 1]]
 
 
 def test_earliest_deadline_trains_first():
@@ -123,7 +123,7 @@ def test_earliest_deadline_trains_first():
     pr.arrived(group(2, 1, sample((2, 0))))  # oldest = newest = 2: deadline 3
     pr.arrived(group(3, 0, sample((1, 0))))  # ended on version 1: deadline 2, the most urgent
     batch = pr.take(2, 1, noop, noop)
-    assert batch.origins == [[3, 0], [2, 0]]  # deadline 2, then the tie at 3 in stream order
+    assert origins(batch) == [[3, 0], [2, 0]]  # deadline 2, then the tie at 3 in stream order
 
 
 def test_configuration_of_the_rule(make_config):
