@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from async_rlhf.config.base import AsyncRLConfig, _require, check_types
+from async_rlhf.config.base import AsyncRLConfig, check_types
+from async_rlhf.config.checks import require as _require
 from async_rlhf.errors import ConfigError
 
 
