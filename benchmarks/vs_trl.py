@@ -4,6 +4,7 @@
     python benchmarks/vs_trl.py                        # 3 seeds x 100 steps x both trainers (about 8 minutes)
     python benchmarks/vs_trl.py --variants '' '--generator_backend transformers' '--num_generations 4'
     python benchmarks/vs_trl.py --quick --device cuda  # one GPU: TRL on it; ours colocated there (bf16 both)
+    python benchmarks/vs_trl.py --quick --cold         # ours also without the generators' head start (prewarm.py)
 
 Both trainers start from the built-in task's SFT policy, score with its proxy reward model and train on the same
 prompts in the same order (our `PromptStream` for the seed; TRL reads the dataset sequentially in that order), with
@@ -20,7 +21,8 @@ Each run is a child process of this one (so both start cold, and the process wal
 Every `--eval_every` steps the run's current policy is evaluated on the task's gold win-rate (512 held-out prompts,
 greedy); the evaluation's seconds are taken off that run's clock. The clock starts before the trainer is built, so it
 holds loading the models and (ours) starting the generator; imports and the task's data set-up are only in the
-process wall.
+process wall, and in each run's first optimizer step counted from its process start (both trainers). Our runs start
+the generators' fork server first, as the recipes do (`generation/pool/prewarm.py`); `--cold` adds one without it.
 Seconds to a win-rate threshold are interpolated linearly between evaluations (step 0 is the SFT policy at 0 s).
 Ours keeps generating during an evaluation (max_staleness 1: at most one batch ahead), which the exclusion cannot
 take back; the report prints how long our learner waited for rollouts, an upper bound of what that could save.
@@ -45,6 +47,13 @@ TRAINERS = ("trl", "ours")
 
 
 # ---- children: one training run each ------------------------------------------------------------------------------
+def since_process_start() -> float:
+    """This process's start (the kernel's), as `time.time()` reads it: what both trainers' start-up is counted from."""
+    import psutil
+
+    return psutil.Process().create_time()
+
+
 def timed_evaluation(trainer, evaluate, every: int, last_step: int, t0: float):
     """A callback that evaluates the policy every `every` steps (and at the last) and records (step, clock, metrics),
     the clock being seconds since `t0` (taken before the trainer was built) minus the evaluations' own seconds."""
@@ -55,9 +64,12 @@ def timed_evaluation(trainer, evaluate, every: int, last_step: int, t0: float):
             self.t0 = t0
             self.eval_seconds = 0.0
             self.curve: list[dict] = []
+            self.first_step = None  # seconds from process start to the end of the first optimizer step
 
         def on_step_end(self, args, state, control, **kwargs):
             step = state.global_step
+            if self.first_step is None:
+                self.first_step = round(time.time() - since_process_start(), 3)
             if step % every and step != last_step:
                 return
             now = time.perf_counter()
@@ -100,7 +112,7 @@ def run_ours(args, script, config) -> dict:
     trainer.train()
     s = trainer.run_summary
     return {"curve": clock.curve, "train_seconds": time.perf_counter() - clock.t0 - clock.eval_seconds,
-            "eval_seconds": clock.eval_seconds, "build_seconds": build_seconds,
+            "eval_seconds": clock.eval_seconds, "build_seconds": build_seconds, "first_step": clock.first_step,
             "learner_threads": config.cpu_learner_threads(),
             "generator_threads": config.generator_threads, "num_generations": config.num_generations,
             "generator_start_seconds": s.get("generator_start_seconds"), "learner_wait_seconds": s.get("wait_seconds"),
@@ -146,10 +158,14 @@ def run_trl(args, script, config) -> dict:
     trainer.train()
     return {"curve": clock.curve, "train_seconds": time.perf_counter() - clock.t0 - clock.eval_seconds,
             "eval_seconds": clock.eval_seconds, "build_seconds": build_seconds, "learner_threads": threads,
-            "num_generations": 2}
+            "num_generations": 2, "first_step": clock.first_step}
 
 
 def child(args) -> None:
+    if args.run == "ours" and not args.cold:  # as the recipes do: generators' imports beside the learner's
+        from async_rlhf.generation.pool.prewarm import prewarm_generators
+
+        prewarm_generators()
     os.environ.setdefault("WANDB_MODE", "disabled")
     output_dir = tempfile.mkdtemp(prefix=f"vs_trl-{args.run}-s{args.seed}-")
     script, config = our_config(args, output_dir)
@@ -188,7 +204,7 @@ def run_child(run: dict, seed: int, args, result_dir: str) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--run", run["trainer"], "--seed", str(seed), "--steps",
            str(args.steps), "--eval_every", str(args.eval_every), "--eval_prompts", str(args.eval_prompts),
            "--trl_threads", str(args.trl_threads), "--device", args.device, "--result", stem + ".json",
-           "--ours", *run["flags"]]
+           *(["--cold"] if run.get("cold") else []), "--ours", *run["flags"]]
     print(f"[vs_trl] {run['name']} seed {seed} (log: {stem}.log)", flush=True)
     t0 = time.perf_counter()
     with open(stem + ".log", "w") as log:
@@ -235,21 +251,22 @@ def report(results: list[dict], runs: list[dict], args, start_win_rate: float) -
             print(f"  {n:<{width}} {_fmt(times[n]):>7} [{', '.join(_fmt(x) for x in per_seed)}]"
                   + (f"  {ratio:.2f}x" if ratio and n != "trl" else ""))
         summary["thresholds"].append({"win_rate": thr, "label": label, "seconds": times})
-    print("\nper run: clock s | building the trainer s | evaluation s | process wall s | (ours) generator start s, "
-          "generating s, learner training s, learner waiting s | backend, first optimizer step s after process start")
+    print("\nper run: clock s | building the trainer s | evaluation s | process wall s | first optimizer step s after "
+          "process start | (ours) generator start s, generating s, learner training s, learner waiting s | backend, "
+          "start-up timeline")
     for r in results:
         extra = ""
         if r["trainer"] == "ours":
             s = r["summary"]
-            extra = (f" | {s['generator_start_seconds']:.0f}, {s['generate_seconds']:.0f}, {s['train_seconds']:.0f}, "
-                     f"{s['wait_seconds']:.0f} | {r.get('generator_backend')}, "
-                     f"{_fmt(r.get('startup', {}).get('first_step'))}")
+            extra = (f" | {s['generator_start_seconds']:.1f}, {s['generate_seconds']:.0f}, {s['train_seconds']:.0f}, "
+                     f"{s['wait_seconds']:.1f} | {r.get('generator_backend')}, "
+                     + ", ".join(f"{k} {v:.1f}" for k, v in r.get("startup", {}).items()))
         print(f"  {r['name']:<{width}} seed {r['seed']}: {r['train_seconds']:.0f} | {r['build_seconds']:.1f} | "
-              f"{r['eval_seconds']:.0f} | "
-              f"{r['process_wall_seconds']:.0f}{extra}")
+              f"{r['eval_seconds']:.0f} | {r['process_wall_seconds']:.0f} | {_fmt(r.get('first_step'))}{extra}")
     for n in names:
         print(f"  {n:<{width}} mean: clock {_mean(r['train_seconds'] for r in by[n]):.0f} s, process wall "
-              f"{_mean(r['process_wall_seconds'] for r in by[n]):.0f} s")
+              f"{_mean(r['process_wall_seconds'] for r in by[n]):.0f} s, first optimizer step "
+              f"{_mean(r['first_step'] for r in by[n] if r.get('first_step') is not None):.1f} s after process start")
     return summary
 
 
@@ -277,6 +294,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="our runs, each one quoted string of recipe flags ('' is the default recipe); e.g. "
                         "--variants '' '--generator_backend transformers'")
     p.add_argument("--no_trl", action="store_true", help="only our runs")
+    p.add_argument("--cold", action="store_true",
+                   help="also run ours (the first variant) without the fork server's head start (generation/pool/"
+                        "prewarm.py), as a trainer built in a script starts: what the prewarm is worth")
     p.add_argument("--trl_threads", type=int, default=0,
                    help="torch threads of TRL's run (0: every core, the fair peer on an idle machine; on a machine "
                         "loaded by other work, 2 OpenMP threads on 2 busy cores stall each other, so use 1 there)")
@@ -305,6 +325,8 @@ def main(argv: list[str] | None = None) -> None:
     for v in args.variants:
         flags = v.split() + ours_flags
         runs.append({"name": "ours " + " ".join(flags) if flags else "ours", "trainer": "ours", "flags": flags})
+    if args.cold:
+        runs.append({**runs[-len(args.variants)], "name": runs[-len(args.variants)]["name"] + " (cold)", "cold": True})
     if len({r["name"] for r in runs}) != len(runs):
         raise SystemExit(f"--variants: the same flags twice ({args.variants})")
     from async_rlhf.tasks.build_builtin import prepare_builtin

@@ -16,6 +16,11 @@ import sys
 if __package__ in (None, ""):  # `python recipes/rloo.py` from a checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+if __name__ == "__main__":  # a run: the generators' imports start now, beside the learner's (generation/pool/prewarm.py)
+    from async_rlhf.generation.pool.prewarm import prewarm_generators
+
+    prewarm_generators()
+
 from async_rlhf.config.algorithms import AsyncRLOOConfig
 from async_rlhf.config.cli import parse_args, set_process_defaults
 from async_rlhf.learner.peft_policy import get_peft_config

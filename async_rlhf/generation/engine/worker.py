@@ -86,18 +86,20 @@ def _restrict_device(device: str, threads: int) -> str:
 
 
 def _die_with_parent(parent) -> None:
-    """Linux: have the kernel SIGKILL this process when the thread that spawned it exits, however it exits."""
+    """Linux: have the kernel SIGKILL this process when the thread that started it exits, however it exits: the
+    learner's (spawned), or the fork server's (`generation/pool/prewarm.py`), which exits when the learner does."""
     if not sys.platform.startswith("linux"):
         return
     import ctypes
 
+    real_parent = os.getppid()  # the learner, or the fork server
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
             return
     except (OSError, AttributeError):  # no prctl: the idle check in `_serve` still notices the parent's death
         return
-    if os.getppid() != parent.pid:  # the parent died before the signal was armed
+    if os.getppid() != real_parent or not parent.is_alive():  # the parent died before the signal was armed
         os._exit(0)
 
 
@@ -130,9 +132,13 @@ def _leave(outbox, code: int, deliver: bool) -> None:
     os._exit(code)
 
 
-def generator_main(spec: GeneratorSpec, inbox, outbox) -> None:
+def generator_main(spec: GeneratorSpec, inbox, outbox, environ: dict[str, str] | None = None) -> None:
     """The process's entry point. In a spawned process it never returns (see the module docstring); called in the
-    process that owns the queues (tests), it returns like any function and touches no signal."""
+    process that owns the queues (tests), it returns like any function and touches no signal. `environ`: the
+    environment to run with (a process forked from the warm server, `generation/pool/prewarm.py`: the learner's)."""
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update(environ)
     from multiprocessing import parent_process
 
     parent = parent_process()

@@ -1,5 +1,6 @@
-"""How a local generator process is started and ended: the default launcher (spawned processes with
-`multiprocessing` queues; `ray_launcher.RayLauncher` is the other) and the pool's bounded ways to stop them."""
+"""How a local generator process is started and ended: the default launcher (processes with `multiprocessing`
+queues, spawned, or forked from the warm server of `prewarm.py` once a recipe started it; `ray_launcher.RayLauncher`
+is the other) and the pool's bounded ways to stop them."""
 
 from __future__ import annotations
 
@@ -7,15 +8,11 @@ import multiprocessing as mp
 import os
 import sys
 from contextlib import contextmanager
-from multiprocessing.context import SpawnProcess
+from multiprocessing.context import ForkServerProcess, SpawnProcess
 from multiprocessing.reduction import ForkingPickler
 
 from async_rlhf.generation.engine.worker import GeneratorSpec, generator_main
-
-# Variables a generator process must not inherit: transformers prints "[INFO] Running in WANDB offline mode" at
-# import wherever WANDB_MODE is "offline": once per generator on the console otherwise. Generators never log to
-# wandb.
-NOT_INHERITED = ("WANDB_MODE",)
+from async_rlhf.generation.pool.prewarm import NOT_INHERITED, generator_environ, warm
 
 
 @contextmanager
@@ -47,10 +44,10 @@ def names_main_script(obj) -> bool:
     return b"__main__" in bytes(ForkingPickler.dumps(obj))
 
 
-class GeneratorProcess(SpawnProcess):
-    """A spawned generator process whose environment lacks `NOT_INHERITED` and whose start does not import the
-    parent's main script (`main_script_hidden`); the parent's environment and main module are unchanged after
-    `start` (processes are started from the main thread only, see `local.py`)."""
+class _Start:
+    """`start` without `NOT_INHERITED` in the environment and without importing the parent's main script
+    (`main_script_hidden`); the parent's environment and main module are unchanged after it (processes are started
+    from the main thread only, see `local.py`)."""
 
     def start(self) -> None:
         saved = {k: os.environ.pop(k) for k in NOT_INHERITED if k in os.environ}
@@ -61,19 +58,35 @@ class GeneratorProcess(SpawnProcess):
             os.environ.update(saved)
 
 
+class GeneratorProcess(_Start, SpawnProcess):
+    """A spawned generator process: a fresh interpreter that imports what it needs."""
+
+
+class ForkedGeneratorProcess(_Start, ForkServerProcess):
+    """A generator process forked from the warm server (`prewarm.py`): its imports are done; it takes the learner's
+    environment as it is at `start` (the server's is the one the learner had when the server started)."""
+
+    def start(self) -> None:
+        self._args = (*self._args[:3], generator_environ())
+        super().start()
+
+
 class ProcessLauncher:
-    """Generators as spawned processes of learner rank 0, with `multiprocessing` queues (the default launcher)."""
+    """Generators as processes of learner rank 0, with `multiprocessing` queues (the default launcher): forked from the
+    warm server where `prewarm.prewarm_generators` started it, else spawned."""
 
     def __init__(self):
-        self._ctx = mp.get_context("spawn")
+        self._forked = warm()
+        self._ctx = mp.get_context("forkserver" if self._forked else "spawn")
 
     def queues(self):
         """(inbox, outbox) for one generator process."""
         return self._ctx.Queue(), self._ctx.Queue()
 
     def process(self, spec: GeneratorSpec, inbox, outbox):
-        return GeneratorProcess(target=generator_main, args=(spec, inbox, outbox), daemon=True,
-                                name=f"async_rlhf-generator-{spec.generator_id}")
+        kind = ForkedGeneratorProcess if self._forked else GeneratorProcess
+        return kind(target=generator_main, args=(spec, inbox, outbox), daemon=True,
+                    name=f"async_rlhf-generator-{spec.generator_id}")
 
     def close(self) -> None:
         pass
