@@ -55,8 +55,19 @@ class AsyncPPOTrainer(AsyncTrainerBase):
                                       "engine with its own optimizer, which is not supported yet; run PPO with DDP, "
                                       "or RLOO / online DPO under DeepSpeed")
         critic = value_model if value_model is not None else build_critic(self.model)
-        optimizer = torch.optim.AdamW(critic.parameters(), lr=self.args.learning_rate)
+        optimizer = self.critic_adamw(critic)
         self.critic, self.critic_optimizer = self.accelerator.prepare(critic, optimizer)
+
+    def critic_adamw(self, critic) -> torch.optim.AdamW:
+        """AdamW for the critic with the policy's settings (learning rate, betas, epsilon, weight decay on all but
+        biases and norms, as the Trainer groups the policy's; TRL's PPO steps its value head in the policy's
+        optimizer)."""
+        a = self.args
+        decay = set(self.get_decay_parameter_names(critic))
+        named = [(n, p) for n, p in critic.named_parameters() if p.requires_grad]
+        groups = [{"params": [p for n, p in named if n in decay], "weight_decay": a.weight_decay},
+                  {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=a.learning_rate, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon)
 
     def compute_rollout_loss(self, model, groups):
         a = self.args

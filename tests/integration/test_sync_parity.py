@@ -1,17 +1,23 @@
-"""Parity with synchronous training: at max_staleness 0 the asynchronous trainer IS synchronous training.
+"""Parity with synchronous training, at staleness 0 and lagged.
 
-For each algorithm (online DPO, RLOO, PPO, GRPO) a tiny run goes through the real pipeline (a transformers generator
-process, shared-memory weight sync, the scoring thread with the fused reference) and keeps, per optimizer step, the
-scored groups it trained on and its parameters after the step (PPO: the critic's too). An in-process synchronous
-loop then trains a fresh copy of the same initial model on the same samples with the pure losses of `losses/`,
-computing itself everything the pipeline delivers with a sample: the behaviour log-probs (the policy as it stands
-before the step, as a synchronous trainer samples with it) and the reference (the initial model). The parameters
-must agree after every step within float tolerance, and the generator's behaviour log-probs must be the current
-policy's.
+At max_staleness 0 the asynchronous trainer IS synchronous training. For each algorithm (online DPO, RLOO, PPO, GRPO)
+a tiny run goes through the real pipeline (a transformers generator process, shared-memory weight sync, the scoring
+thread with the fused reference) and keeps, per optimizer step, the scored groups it trained on and its parameters
+after the step (PPO: the critic's too). An in-process synchronous loop then trains a fresh copy of the same initial
+model on the same samples with the pure losses of `losses/`, computing itself everything the pipeline delivers with a
+sample: the behaviour log-probs (the policy as it stands before the step, as a synchronous trainer samples with it)
+and the reference (the initial model). The parameters must agree after every step within float tolerance, and the
+generator's behaviour log-probs must be the current policy's.
+
+At max_staleness k = 1 and 2 the same holds against a lagged loop: step t trains on the samples that the policy of
+step t - k produced (the pipeline's own samples, replayed), with the behaviour log-probs of that k-step-old policy
+computed here, under AdamW (weight decay as the Trainer groups it) with gradient clipping; and each stale sample's
+carried behaviour log-probs are the k-step-old policy's own.
 
 The comparison is sensitive, and the test shows it: the same loop fed the behaviour log-probs of the policy one step
-behind, or given the policy one step behind as its reference, ends up measurably elsewhere (what a pipeline that
-delivered either would produce), and the generator's log-probs do not match the previous step's policy.
+behind (or, lagged, one version too new), or given the policy one step behind as its reference, ends up measurably
+elsewhere (what a pipeline that delivered either would produce), and the generator's log-probs do not match the
+policy of the wrong version.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, Trainer
 
 from async_rlhf import (
     AsyncGRPOConfig,
@@ -44,7 +50,8 @@ STEPS = 3
 # The policy steps with plain SGD and no gradient clipping: a parameter's change is then linear in its gradient, so
 # float noise stays float noise (Adam's first steps, lr * g / (|g| + eps), turn rounding in a near-zero gradient into
 # a sizeable step) and a wrong input shows in proportion (clipping would hide a wrong scale: online DPO's reference
-# only scales its one pair's gradient). PPO's critic keeps its own AdamW, as the trainer builds it.
+# only scales its one pair's gradient). PPO's critic keeps its own AdamW with the policy's settings, as the trainer
+# builds it.
 RUN = dict(max_steps=STEPS, per_device_train_batch_size=2, num_generations=2, max_new_tokens=6, max_length=48,
            optim="sgd", learning_rate=0.2, max_grad_norm=0.0, lr_scheduler_type="constant",
            generator_backend="transformers", disable_tqdm=True, generator_start_timeout=120, rollout_timeout=120,
@@ -175,7 +182,7 @@ def synchronous_run(name, config, model_dir, steps_groups, shift=None):
     previous = copy.deepcopy(policy).eval().requires_grad_(False)  # the policy one step behind (the initial one first)
     critic = build_critic(policy) if name == "ppo" else None
     policy_opt = torch.optim.SGD(policy.parameters(), lr=config.learning_rate)
-    critic_opt = torch.optim.AdamW(critic.parameters(), lr=config.learning_rate) if critic is not None else None
+    critic_opt = adamw_like_the_trainer(critic, config) if critic is not None else None
     snapshots, sampled_by = [], []
     for groups in steps_groups:
         before = copy.deepcopy(policy).eval().requires_grad_(False)
@@ -233,3 +240,121 @@ def test_inputs_one_step_late_are_caught(pipeline_runs, tiny_model_dir, name, sh
     late = max(max_difference(pipeline_params[s], shifted[s]) for s in range(1, STEPS))
     print(f"{name}, {shift} one step late: max parameter difference {late:.2e}")
     assert late > SHIFT_MARGIN, f"{name}: a {shift} one step late moves the parameters by only {late:.2e}"
+
+
+# ---- lagged parity: max_staleness k, AdamW with weight decay and gradient clipping ---------------------------------
+LAGGED_STEPS = 5
+# AdamW whose epsilon is not negligible against the tiny model's gradients: Adam's first steps, lr * g / (|g| + eps),
+# otherwise turn float rounding in a near-zero gradient into a step of nearly lr (the staleness-0 test uses SGD for
+# that reason), and make the update blind to a gradient's scale, which a wrong input changes. Clipping binds (the
+# first steps' gradient norms are above 0.5). The ratio is the plain clipped one against the behaviour policy
+# (off_policy_correction 'none'), which uses the behaviour log-probs in every algorithm but online DPO.
+LAGGED = dict(RUN, max_steps=LAGGED_STEPS, optim="adamw_torch", learning_rate=0.02, adam_epsilon=1e-3,
+              weight_decay=0.1, max_grad_norm=0.5, off_policy_correction="none")
+LAGGED_TOLERANCE = 1e-4  # observed 1.2e-7 to 4.3e-6; a version off moves them by 6e-2 to 9e-2
+
+
+@pytest.fixture(scope="module")
+def lagged_runs(tmp_path_factory, tiny_model_dir):
+    runs = {}
+    for lag in (1, 2):
+        for name, (trainer_cls, config_cls, extra) in ALGORITHMS.items():
+            fields = {**LAGGED, **extra, "max_staleness": lag}
+            if name == "online_dpo":
+                fields.pop("off_policy_correction")
+            config = config_cls(output_dir=str(tmp_path_factory.mktemp(f"{name}-lag{lag}")), **fields)
+            trainer = recording(trainer_cls)(model=tiny_model_dir, reward_funcs=lowercase_reward, args=config,
+                                             train_dataset=toy_prompts(32))
+            trainer.recorded_groups, trainer.recorded_params = [], []
+            trainer.train()
+            assert len(trainer.recorded_groups) == len(trainer.recorded_params) == LAGGED_STEPS
+            runs[name, lag] = (config, trainer.recorded_groups, trainer.recorded_params)
+    return runs
+
+
+def adamw_like_the_trainer(model, config):
+    """The Trainer's AdamW for `model`: weight decay on all but biases and norms (`Trainer.get_decay_parameter_names`)."""
+    decay = set(Trainer.get_decay_parameter_names(None, model))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for n, p in named if n in decay], "weight_decay": config.weight_decay},
+              {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
+                             eps=config.adam_epsilon)
+
+
+def lagged_run(name, config, model_dir, steps_groups, versions, wrong=False):
+    """Parameters after each step of a loop that trains step t on `steps_groups[t]` with the behaviour log-probs of
+    the policy of version `versions[t]` (after that many steps), kept here; `wrong`: of version `versions[t] + 1`
+    instead (one version too new, where that policy exists before step t: what a pipeline that tagged its samples a
+    version too new would train with)."""
+    torch.manual_seed(0)
+    policy = AutoModelForCausalLM.from_pretrained(model_dir)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir).eval().requires_grad_(False)
+    critic = build_critic(policy) if name == "ppo" else None
+    policy_opt = adamw_like_the_trainer(policy, config)
+    critic_opt = adamw_like_the_trainer(critic, config) if critic is not None else None
+    by_version = [copy.deepcopy(policy).eval().requires_grad_(False)]  # the policy after v steps
+    snapshots = []
+    for step, groups in enumerate(steps_groups):
+        v = min(versions[step] + 1, step) if wrong else versions[step]
+        loss = step_loss(name, config, policy, critic, groups, behaviour_model=by_version[v], ref_model=reference)
+        if loss is not None:
+            loss.backward()
+        else:  # no pair (online DPO): the trainer's loss is 0 x the graph, so Adam still steps on zero gradients
+            for p in policy.parameters():
+                p.grad = torch.zeros_like(p)
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), config.max_grad_norm)
+        policy_opt.step()
+        policy_opt.zero_grad()
+        if critic is not None:
+            torch.nn.utils.clip_grad_norm_(critic.parameters(), config.max_grad_norm)
+            critic_opt.step()
+            critic_opt.zero_grad()
+        by_version.append(copy.deepcopy(policy).eval().requires_grad_(False))
+        snapshot = {f"policy.{n}": p.detach().clone() for n, p in policy.named_parameters()}
+        if critic is not None:
+            snapshot.update({f"critic.{n}": p.detach().clone() for n, p in critic.named_parameters()})
+        snapshots.append(snapshot)
+    return snapshots, by_version
+
+
+def sampled_versions(steps_groups) -> list[int]:
+    """The version that sampled each step's groups (one per step: batch-level generation)."""
+    out = []
+    for groups in steps_groups:
+        versions = {g.policy_version for g in groups}
+        assert len(versions) == 1, versions
+        out.append(versions.pop())
+    return out
+
+
+@pytest.mark.parametrize("lag", [1, 2])
+@pytest.mark.parametrize("name", list(ALGORITHMS))
+def test_staleness_k_matches_a_loop_lagged_by_k_steps(lagged_runs, tiny_model_dir, name, lag):
+    config, steps_groups, pipeline_params = lagged_runs[name, lag]
+    versions = sampled_versions(steps_groups)
+    # admission sends batch t as soon as the weights of version t - k are queued, ahead of any newer ones
+    assert versions == [max(0, t - lag) for t in range(LAGGED_STEPS)], versions
+    loop_params, by_version = lagged_run(name, config, tiny_model_dir, steps_groups, versions)
+    for step, groups in enumerate(steps_groups):
+        with torch.no_grad():  # each sample's behaviour log-probs are the k-step-old policy's own
+            logps, mask, _, _ = completion_logps(by_version[versions[step]], groups, config.temperature)
+            carried = carried_behaviour(groups, mask)
+            assert (carried - logps).abs().max().item() < 1e-3, f"{name} lag {lag} step {step}: behaviour log-probs"
+            if versions[step] + 1 <= step:  # ... and not those of the next version, which existed by then
+                newer = completion_logps(by_version[versions[step] + 1], groups, config.temperature)[0]
+                assert (carried - newer).abs().max().item() > 1e-3, f"{name} lag {lag} step {step}: a version off?"
+        diff = max_difference(pipeline_params[step], loop_params[step])
+        print(f"{name} lag {lag} step {step}: max parameter difference {diff:.2e}")
+        assert diff < LAGGED_TOLERANCE, f"{name} lag {lag} step {step}: parameters differ by {diff:.2e}"
+
+
+@pytest.mark.parametrize("name", ["rloo", "ppo", "grpo"])
+def test_a_lagged_loop_fed_the_wrong_version_is_caught(lagged_runs, tiny_model_dir, name):
+    """The comparison above fails for a loop that takes its behaviour log-probs from one version too new (online
+    DPO's loss has no behaviour term: its check is the log-prob one above)."""
+    config, steps_groups, pipeline_params = lagged_runs[name, 2]
+    wrong, _ = lagged_run(name, config, tiny_model_dir, steps_groups, sampled_versions(steps_groups), wrong=True)
+    off = max(max_difference(pipeline_params[s], wrong[s]) for s in range(LAGGED_STEPS))
+    print(f"{name}, behaviour a version too new: max parameter difference {off:.2e}")
+    assert off > 50 * LAGGED_TOLERANCE, f"{name}: the wrong version moves the parameters by only {off:.2e}"
