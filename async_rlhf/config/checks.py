@@ -1,6 +1,6 @@
-"""Type, range and path checks of the config fields we declare (`config/base.py`), run first in `__post_init__`, before
-any model loads, so a value of the wrong type fails with a `ConfigError` naming the field and the value instead of a
-traceback from deep inside the run.
+"""Type, range and path checks of the config fields we declare (`config/base.py` and the mixins of its fields, one
+module per concern), run first in `__post_init__`, before any model loads, so a value of the wrong type fails with a
+`ConfigError` naming the field and the value instead of a traceback from deep inside the run.
 
 Rules, from each field's declared annotation (`int`, `float | None`, `list[str]`, ...):
 * `int` takes an int and nothing else: `True` is not an int here, `1.5` and `"2"` are refused (no silent rounding);

@@ -71,7 +71,7 @@ class AsyncTrainerBase(Trainer):
         deepspeed = bool(args.deepspeed) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
         check_learner_combinations(args, deepspeed, lora=peft_config is not None or (
             not isinstance(model, str) and peft_policy.is_peft_policy(model)))
-        if args.score_while_generating is None:  # auto (config/base.py)
+        if args.score_while_generating is None:  # auto (config/scoring.py)
             args.score_while_generating = not deepspeed
         check_prompt_dataset(train_dataset)
         reward_funcs = reward_funcs if reward_funcs is not None else args.reward_model_path
