@@ -3,7 +3,9 @@
 - `winrate_vs_kl.png`: final score against KL, one point per knob value (N or S), one line per algorithm: the
   paper's Pareto view (does going more off-policy cost reward, KL, or both?);
 - `score_vs_knob.png`: the paper's ablation view: final score against the knob (N or S, log scale), one line per
-  algorithm, error bars one std over seeds; a second panel the same for the gold reward where every run has one;
+  algorithm, error bars one std over seeds; a second panel the same for the gold reward where every run has one,
+  with the SFT policy's gold reward as a dashed line where every run's evaluation carries it (`sft_gold_reward`,
+  written when the task evaluates the SFT policy's completions too);
 - `winrate_vs_wallclock.png`: left, final score against the run's training wall time, synchronous cells (N=1 / S=0)
   hollow squares, asynchronous ones filled circles (what asynchrony saves, and at what score); right, the score
   during the run against elapsed time, one line per cell, synchronous dashed;
@@ -128,6 +130,14 @@ def winrate_vs_kl(cells, path: str) -> str:
     return _save(fig, path, _notes(cells) + ([] if drawn else ["no cell has both a finite score and KL"]))
 
 
+def sft_reference(cells, name: str = "sft_gold_reward") -> float:
+    """The SFT policy's value of an evaluation metric, from the runs' final evaluations (`sft_gold_reward`: the gold
+    reward of the SFT policy's completions of the same prompts); NaN unless every run has it. Runs of one sweep
+    evaluate the same prompts, so the values agree; their mean is drawn."""
+    values = [r.eval_value(name) for c in cells for r in c.runs]
+    return math.nan if not values or any(map(math.isnan, values)) else sum(values) / len(values)
+
+
 def score_vs_knob(cells, path: str) -> str:
     plt = _pyplot()
     gold_reward = all(not math.isnan(r.eval_value("gold_reward")) for c in cells for r in c.runs)
@@ -147,6 +157,9 @@ def score_vs_knob(cells, path: str) -> str:
             drawn += 1
             ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[_nan0(p[2]) for p in pts], marker="o",
                         capsize=3, color=f"C{i}", label=series)
+        sft = sft_reference(cells) if what == "gold_reward" else math.nan
+        if not math.isnan(sft):
+            ax.axhline(sft, color="0.4", ls="--", lw=1, label="SFT policy")
         knob = cells[0].knob_label.split("=")[0] if cells else "knob"
         ax.set_xscale("log", base=2)
         ax.set_xlabel(f"{knob} (log scale)")

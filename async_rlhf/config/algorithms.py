@@ -37,11 +37,6 @@ class AsyncOnlineDPOConfig(AsyncRLConfig):
 
 
 OFF_POLICY_CORRECTIONS = ("auto", "none", "tis", "decoupled", "masked")
-# 'auto' picks TIS up to this many steps of token staleness and the clipped ratio beyond: on the sorting task
-# (evals/results/sorting_staleness, three seeds) TIS was level with the clipped ratio at 1 and 3 steps, behind it at 7
-# and collapsing at 15.
-TIS_MAX_STALENESS = 3
-
 
 @dataclass
 class AsyncPolicyGradientConfig(AsyncRLConfig):
@@ -61,27 +56,21 @@ class AsyncPolicyGradientConfig(AsyncRLConfig):
                   "arrived). 'tis': token-level truncated importance sampling, each token weighted by "
                   "min(pi_prox/mu, is_cap), the ratio against pi_prox. 'decoupled': decoupled PPO (Hilton et al. "
                   "2021), weight pi_prox/mu, tokens above is_cap dropped. 'masked': masked IS with two-sided bounds "
-                  "(IcePop-style), weight pi_prox/mu, tokens outside [is_floor, is_cap] dropped. 'auto' (default): "
-                  "'none' when no token can be stale (max_staleness 0: parity with synchronous training, "
-                  "tests/integration/test_sync_parity.py); 'tis' for RLOO, PPO and GRPO when tokens can be 1 to "
-                  "TIS_MAX_STALENESS (3) steps stale: plain PPO one step stale failed where TIS trained (marin "
-                  "#8955: GSM8k 2/128 against 98/128, Qwen3-0.6B), PipelineRL and TRL's vLLM correction ship "
-                  "token-level TIS, and at N = 4 it ended highest on our toy task for RLOO and PPO (one seed, "
-                  "evals/results/off_policy_defaults) and level with 'none' at N = 2 and 4 on the sorting task (three "
-                  "seeds, evals/results/sorting_staleness); 'none' beyond: on the sorting task TIS was behind at "
-                  "N = 8 (gold reward 1.37-1.46 against 1.46-1.54) and at N = 16 collapsed RLOO and PPO below the "
-                  "SFT policy (0.85-0.93 against 1.05; 'none' 1.42-1.46), since "
-                  "its weights keep pushing tokens the policy has already moved past, where the ratio clipped "
-                  "against mu stops them (an unclipped loss also diverged at 3 steps in the Tinker cookbook, #822). "
-                  "Online DPO takes no correction: its loss has no importance ratio. The resolved value is what the "
-                  "run records."},
+                  "(IcePop-style), weight pi_prox/mu, tokens outside [is_floor, is_cap] dropped. With one "
+                  "optimizer step per batch pi_prox is the current forward, so 'tis', 'decoupled' and 'masked' clip "
+                  "nothing (clipfrac 0 in every 'tis' run): they keep no trust region. 'auto' (default): 'none', the "
+                  "clipped ratio, at every staleness: in our records no correction beat it (sorting task, three seeds, "
+                  "gold reward tis minus none: RLOO -0.038 [-0.103, +0.026] at N = 4, -0.088 [-0.302, +0.127] at "
+                  "N = 8, -0.485 [-0.607, -0.362] at N = 16; PPO -0.013 [-0.129, +0.104], -0.079 [-0.265, +0.108], "
+                  "-0.602 [-0.898, -0.307]; evals/results/sorting_staleness/NOTES.md). Elsewhere TIS trained where "
+                  "plain PPO one step stale failed (marin #8955, GSM8k, Qwen3-0.6B): set 'tis' to try it. Online DPO "
+                  "takes no correction: its loss has no importance ratio. The resolved value is what the run "
+                  "records."},
     )
     is_cap: float = field(default=2.0, metadata={"help": "Upper bound of the importance weights ('tis', "
                                                          "'decoupled', 'masked')."})
     is_floor: float = field(default=0.5, metadata={"help": "Lower bound of the importance weights ('masked'): "
                                                            "tokens with pi_prox/mu below it are dropped."})
-
-    stale_correction = "tis"  # what 'auto' resolves to when tokens can be 1 to TIS_MAX_STALENESS steps stale
 
     def __post_init__(self):
         check_types(self)
@@ -94,9 +83,8 @@ class AsyncPolicyGradientConfig(AsyncRLConfig):
         _require(self.is_cap > 1, "is_cap", f"must be > 1, got {self.is_cap}")
         _require(0 <= self.is_floor < 1, "is_floor", f"must be in [0, 1), got {self.is_floor}")
         super().__post_init__()
-        if self.off_policy_correction == "auto":  # after the shared checks: max_staleness may come from N
-            stale = self.max_token_staleness()
-            self.off_policy_correction = self.stale_correction if 1 <= stale <= TIS_MAX_STALENESS else "none"
+        if self.off_policy_correction == "auto":  # the clipped ratio: nothing beat it in our records (help above)
+            self.off_policy_correction = "none"
         super().__post_init__()
 
 
