@@ -1,15 +1,22 @@
 """Multi-turn runs through the whole pipeline (real generator processes, real sampling, the guessing task's
-environment): a run stopped with episodes in flight and resumed trains loss for loss like an uninterrupted one, and
-RLOO takes the same `environment_factory` (here the dict form, rows routed by their `environment` column).
+environment): a run stopped with episodes in flight and resumed trains loss for loss like an uninterrupted one; a
+generator killed with episodes in flight is restarted and its episodes are played again from their start, every step
+trained once; and RLOO takes the same `environment_factory` (here the dict form, rows routed by their `environment`
+column).
 
 The policy is conftest.py's `guess_policy`, SFT'd for seconds (it calls the tool in most turns); the whole guessing
 task's build is not needed."""
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 from datasets import Dataset
+from run_records import check_staleness_records
 from stop_at import check_resume_matches
+from transformers import TrainerCallback
 
 from async_rlhf.data import guess_task as g
 
@@ -29,6 +36,34 @@ def test_a_run_stopped_with_episodes_in_flight_resumes_exactly(guess_policy, tmp
         return AsyncGRPOTrainer(model=guess_policy, args=args, train_dataset=data, environment_factory=g.GuessEnv)
 
     check_resume_matches(make, tmp_path, steps=4, stop=2)
+
+
+class _KillGenerator(TrainerCallback):
+    """SIGKILLs generator 0 when optimizer step `step` ends (max_staleness 1: the next batch's episodes are being
+    played then)."""
+
+    def __init__(self, trainer, step):
+        self.trainer, self.step = trainer, step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            os.kill(self.trainer.pipeline.pool.processes[0].pid, signal.SIGKILL)
+
+
+def test_a_generator_killed_mid_episode_is_restarted_and_its_episodes_played_again(guess_policy, tmp_path):
+    from async_rlhf import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), max_steps=4, max_staleness=1, **FIELDS)
+    trainer = AsyncGRPOTrainer(model=guess_policy, args=args, train_dataset=g.make_split(64, 0, "train"),
+                               environment_factory=g.GuessEnv)
+    trainer.add_callback(_KillGenerator(trainer, 2))
+    trainer.train()
+    s = trainer.run_summary
+    assert s["generator_restarts"] == 1
+    check_staleness_records(tmp_path, 4, 1, s, dropped=None)  # every step trained once, within the bound
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 4  # whole episodes only: a request dies whole with its process and is sent again
+    assert all(h["tools/call_frequency"] > 0 and h["episodes/unscorable"] == 0 for h in logs)
 
 
 def test_rloo_routes_rows_to_their_environment(guess_policy, tmp_path):
