@@ -21,7 +21,7 @@ if __name__ == "__main__":  # a run: the generators' imports start now, beside t
     prewarm_generators()
 
 from async_rlhf.config.algorithms import AsyncBestOfNConfig
-from async_rlhf.config.cli import parse_args, set_process_defaults
+from async_rlhf.config.cli import parse_args, run_recipe
 from async_rlhf.learner.peft_policy import get_peft_config
 from async_rlhf.tasks.setup import (
     ScriptArguments,
@@ -48,5 +48,4 @@ def main(argv: list[str]) -> AsyncBestOfNTrainer:
 
 
 if __name__ == "__main__":
-    set_process_defaults()
-    main(sys.argv[1:])
+    run_recipe(main, sys.argv[1:])

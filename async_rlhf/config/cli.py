@@ -9,6 +9,7 @@ values space-separated (`--generator_devices cuda:6 cuda:7`, HfArgumentParser's 
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import fields
 
 import yaml
@@ -125,3 +126,15 @@ def set_process_defaults() -> None:
 
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def run_recipe(main, argv: list[str]) -> None:
+    """A recipe's entry point: `set_process_defaults()`, then `main(argv)`. A run stopped by a signal (Ctrl-C,
+    SIGTERM: the trainer finishes its step and saves a checkpoint first) ends with its one line and exit status 130,
+    as a shell reports an interrupted command, not with a traceback."""
+    set_process_defaults()
+    try:
+        main(argv)
+    except KeyboardInterrupt as exc:
+        print(f"async_rlhf: {exc or 'interrupted'}", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None

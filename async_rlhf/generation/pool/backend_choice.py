@@ -183,7 +183,10 @@ def _measured_choice(args, model_config, dtype: str, workload: backend_probe.Wor
                 f"samples a step in {f['step_seconds']:.2f} s ({f['mode']}): {predicted[b]:.1f} s for this run")
     _say(args, f"generator_backend='auto': {chosen}, measured faster for this run of {workload.total_steps} steps "
                f"on this CPU: {account(chosen)}; {account(next(b for b in predicted if b != chosen))} "
-               f"({'measured ' + figures.get('measured_at', '?') + ', ' if cached else ''}cached in {path})")
+               f"({'measured ' + figures.get('measured_at', '?') + ', ' if cached else ''}cached in {path})"
+               + ("; timed on single-turn sampling of the prompts: this run's multi-turn episodes make several "
+                  "generate calls a sample and wait for their tools, so their generation takes longer than predicted"
+                  if workload.multi_turn else ""))
     return chosen
 
 

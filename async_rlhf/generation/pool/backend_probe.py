@@ -55,6 +55,9 @@ class Workload:
     # more prompts, so that each timed step samples prompts of its own (vLLM caches prompt prefixes: a step of prompts
     # it has seen would be faster than any step of the run); a round without P of its own repeats the first step's
     extra_prompt_token_ids: list[list[int]] = dataclasses.field(default_factory=list)
+    # the run's samples are multi-turn episodes: the probe still times single-turn sampling of the prompts (several
+    # generate calls a sample and the tools' time are not in it), which the printed prediction says
+    multi_turn: bool = False
 
     def round_prompts(self, r: int) -> list[list[int]]:
         every, p = self.prompt_token_ids + self.extra_prompt_token_ids, len(self.prompt_token_ids)

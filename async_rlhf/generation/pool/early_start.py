@@ -55,7 +55,8 @@ def choose_backend_and_spawn(args, model, model_config, init_kwargs: dict, train
         first = _first_prompts(train_dataset, tokenizer, ROUNDS * per, args.max_length - args.max_new_tokens)
         if len(first) >= per:
             workload = Workload(path, first[:per], SamplingSettings.from_config(args),
-                                max(1, total_steps(args, len(train_dataset))), extra_prompt_token_ids=first[per:])
+                                max(1, total_steps(args, len(train_dataset))), extra_prompt_token_ids=first[per:],
+                                multi_turn=episodes is not None)
     architecture = (model_config.architectures or [type(model).__name__])[0]
     resolve_generator_backend(args, model_config, architecture, dtype, workload=workload)
     if before_spawn is not None:
