@@ -76,9 +76,8 @@ def make_pool(args, on_rollouts: Callable[[RolloutBatch], None], initial_version
 class GeneratorPlan:
     """Where a run's local generators run and how their weights reach them, decided once, before the pool is built
     (`plan_generators`); the pool and the weight transport are made from it. The backend (and with it any
-    speculation) was decided before: `backend_choice.py`, `experimental/schedules.before_spawn`."""
+    speculation) was decided before, in `args` (`backend_choice.py`, `experimental/schedules.before_spawn`)."""
 
-    backend: str  # 'vllm' or 'transformers'
     launcher: object | None  # a Ray launcher with its placement planned (`ray_launcher.RayLauncher`); None: processes
     weights: str  # 'shm' or 'ipc' (learner rank 0's node), 'network' (anywhere): `config.checks.choose_transport`
 
@@ -93,7 +92,7 @@ def plan_generators(args, model_path: str) -> GeneratorPlan:
     host, with the transport `args.local_weight_transport` chose."""
     launcher = make_launcher(args, model_path)  # Ray: decides where the actors may run, and so their weights
     weights = launcher.weights if launcher is not None else args.local_weight_transport
-    return GeneratorPlan(args.generator_backend, launcher, weights)
+    return GeneratorPlan(launcher, weights)
 
 
 def weight_route(args, plan: GeneratorPlan, device) -> tuple[WeightTransport, object | None]:
