@@ -69,7 +69,10 @@ def test_async_run_actually_overlaps(runs):
 def test_versions_advanced_and_weights_reached_the_generator(runs, staleness):
     summary, steps, _, _ = runs[staleness]
     assert summary["sync_bytes"] > 0
-    assert steps[-1]["generator/version_loaded"] >= STEPS - 1
+    # at the last step's log the generator holds at least the version that sampled that step's batch (the bound);
+    # whether the newest update was acknowledged before that log line is a race, but the run's end waits for it
+    assert steps[-1]["generator/version_loaded"] >= STEPS - 1 - staleness
+    assert min(summary["generator_versions"].values()) >= STEPS - 1, summary["generator_versions"]
     # On-policy steps (every step at S = 0; a batch of the step's own version at S = 2, where in-flight loads keep
     # every token of it on that version): the generator sampled with exactly the learner's weights, so its
     # behaviour log-probs match the learner's own (same temperature) up to float noise, including after many syncs.
