@@ -57,8 +57,9 @@ class AsyncPolicyGradientConfig(AsyncRLConfig):
                   "min(pi_prox/mu, is_cap), the ratio against pi_prox. 'decoupled': decoupled PPO (Hilton et al. "
                   "2021), weight pi_prox/mu, tokens above is_cap dropped. 'masked': masked IS with two-sided bounds "
                   "(IcePop-style), weight pi_prox/mu, tokens outside [is_floor, is_cap] dropped. With one "
-                  "optimizer step per batch pi_prox is the current forward, so 'tis', 'decoupled' and 'masked' clip "
-                  "nothing (clipfrac 0 in every 'tis' run): they keep no trust region. 'auto' (default): 'none', the "
+                  "pass per batch (num_iterations 1) pi_prox is the current forward, so 'tis', 'decoupled' and 'masked' "
+                  "clip nothing (clipfrac 0 in every 'tis' run): they keep no trust region; num_iterations > 1 gives "
+                  "them one (passes after the first clip pi/pi_prox: AReaL's decoupled PPO). 'auto' (default): 'none', the "
                   "clipped ratio, at every staleness: in our records no correction beat it (sorting task, three seeds, "
                   "gold reward tis minus none: RLOO -0.038 [-0.103, +0.026] at N = 4, -0.088 [-0.302, +0.127] at "
                   "N = 8, -0.485 [-0.607, -0.362] at N = 16; PPO -0.013 [-0.129, +0.104], -0.079 [-0.265, +0.108], "
@@ -71,6 +72,15 @@ class AsyncPolicyGradientConfig(AsyncRLConfig):
                                                          "'decoupled', 'masked')."})
     is_floor: float = field(default=0.5, metadata={"help": "Lower bound of the importance weights ('masked'): "
                                                            "tokens with pi_prox/mu below it are dropped."})
+    num_iterations: int = field(
+        default=1,
+        metadata={"help": "Optimizer passes over each step's batch (TRL's name; its mu in GRPO). Pass 1 is the "
+                  "usual step; passes 2.. reuse the batch, its advantages and the proximal policy pi_prox (the "
+                  "learner's log-probs before the step's first pass, AReaL's decoupled PPO), so the clipped ratio "
+                  "pi/pi_prox (with 'tis', 'decoupled', 'masked') or pi/mu ('none') can bind. All passes are one "
+                  "step here: one batch, one weight version, one learning-rate value; max_steps counts batches "
+                  "(TRL counts each pass as a step). Not under DeepSpeed."},
+    )
 
     def __post_init__(self):
         check_types(self)
@@ -82,6 +92,7 @@ class AsyncPolicyGradientConfig(AsyncRLConfig):
                  f"{self.off_policy_correction!r} is not one of {OFF_POLICY_CORRECTIONS}")
         _require(self.is_cap > 1, "is_cap", f"must be > 1, got {self.is_cap}")
         _require(0 <= self.is_floor < 1, "is_floor", f"must be in [0, 1), got {self.is_floor}")
+        _require(self.num_iterations >= 1, "num_iterations", f"must be >= 1, got {self.num_iterations}")
         super().__post_init__()
         if self.off_policy_correction == "auto":  # the clipped ratio: nothing beat it in our records (help above)
             self.off_policy_correction = "none"
@@ -116,8 +127,6 @@ class AsyncGroupRLConfig(AsyncPolicyGradientConfig):
                 "gradient_accumulation_steps samples m steps' completions with one policy: num_mini_batches m "
                 "(sync_every m, max_staleness m - 1); a divisor of it changes nothing here; anything else is refused "
                 "(a generation batch here never straddles two optimizer steps)."})
-    num_iterations: int = field(default=1, metadata={"help": "Updates per batch; only 1 (each batch trains one "
-                                                             "optimizer step; staleness is max_staleness's)."})
     mask_truncated_completions: bool = field(default=False, metadata={"help": "Leave completions that hit "
                                                                               "max_completion_length out of the "
                                                                               "loss (DAPO)."})

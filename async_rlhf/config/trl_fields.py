@@ -34,7 +34,9 @@ TRL 1.16 `GRPOConfig` / `RLOOConfig` fields on the group learners (`AsyncGroupRL
   `steps_per_generation` count completions, with TRL's rules and error messages; a `steps_per_generation` of m x
   `gradient_accumulation_steps` (m > 1) is `num_mini_batches` m, TRL's meaning (m steps trained on completions of
   one policy), a divisor of `gradient_accumulation_steps` changes nothing (a step's policy is one either way).
-* refused with a message where the value would change training and is not built here: `num_iterations` > 1,
+* `num_iterations` > 1: that many optimizer passes over each step's batch against the proximal policy (the
+  learner before the step); TRL counts each pass as a global step, here they make one step (one batch, one version).
+* refused with a message where the value would change training and is not built here:
   `multi_objective_aggregation='normalize_then_sum'`, a per_device_train_batch_size that is not a multiple of
   num_generations (micro-batches hold whole prompt groups here), a steps_per_generation that straddles optimizer
   steps.
@@ -163,9 +165,6 @@ def apply_group_fields(config) -> None:
         raise ConfigError(f"ref_model_mixup_alpha: must be in (0, 1], got {config.ref_model_mixup_alpha}")
     if config.ref_model_sync_steps < 1:
         raise ConfigError(f"ref_model_sync_steps: must be >= 1, got {config.ref_model_sync_steps}")
-    if config.num_iterations != 1:
-        raise ConfigError(f"num_iterations: only 1 is supported (one optimizer step per batch; how stale a batch may "
-                          f"be is max_staleness's), got {config.num_iterations}")
     if config.auto_find_batch_size:  # TRL's check and message
         raise ConfigError(f"auto_find_batch_size is not supported by {_trl_name(config)}, because the generation "
                           "batch must contain full prompt groups of num_generations completions, and reducing the "

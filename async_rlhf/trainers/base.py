@@ -71,6 +71,10 @@ class AsyncTrainerBase(Trainer):
         deepspeed = bool(args.deepspeed) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
         check_learner_combinations(args, deepspeed, lora=peft_config is not None or (
             not isinstance(model, str) and peft_policy.is_peft_policy(model)))
+        self.passes = getattr(args, "num_iterations", 1)  # optimizer passes per batch (policy-gradient configs)
+        if self.passes > 1 and deepspeed:
+            raise ConfigError(f"num_iterations: {self.passes} passes per batch are not built under DeepSpeed (its engine "
+                              "steps inside backward); use 1, or DDP")
         if args.score_while_generating is None:  # auto (config/scoring.py)
             args.score_while_generating = not deepspeed
         check_prompt_dataset(train_dataset)
@@ -189,6 +193,7 @@ class AsyncTrainerBase(Trainer):
         self.stats = self._metrics  # TRL's name: metric -> its values since the last log
         self._micro = 0
         self._step_batch: RolloutBatch | None = None
+        self._kept_passes: list[tuple[list[ScoredGroup], dict]] = []  # num_iterations > 1: see `further_passes`
         self._loop_seconds = 0.0  # the training loop, periodic evaluations included (the summary takes them off)
         self.eval_seconds = 0.0  # periodic evaluations during training, rank 0 (`periodic_eval.py` adds to it)
         self._last_metrics: dict[str, float] = {}
@@ -279,17 +284,27 @@ class AsyncTrainerBase(Trainer):
             f.write(json.dumps(record) + "\n")
 
     # ---- the algorithm hook --------------------------------------------------------------------------------
-    def compute_rollout_loss(self, model, groups: list[ScoredGroup]) -> tuple[torch.Tensor, dict[str, float]]:
+    def compute_rollout_loss(self, model, groups: list[ScoredGroup],
+                             kept: dict | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss of one micro-batch and its metrics. `kept`: with num_iterations > 1, what the step's first pass
+        over these groups computed and the later passes reuse (the proximal log-probs, the advantages): empty in
+        the first pass, where the algorithm fills it; None with one pass."""
         raise NotImplementedError
 
     def after_optimizer_step(self) -> None:
-        """Called on every rank right after each policy optimizer step, before the weight sync (PPO steps its
-        critic here)."""
+        """Called on every rank right after each policy optimizer step (every pass's, with num_iterations > 1),
+        before the weight sync (PPO steps its critic here)."""
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         model.train()
         groups = self.micro_batch_groups()
-        loss, metrics = self.compute_rollout_loss(model, groups)
+        kept = {} if self.passes > 1 else None
+        if kept is not None:
+            self._kept_passes.append((groups, kept))
+        return self._backward(model, groups, kept)
+
+    def _backward(self, model, groups: list[ScoredGroup], kept: dict | None) -> torch.Tensor:
+        loss, metrics = self.compute_rollout_loss(model, groups, kept)
         self.nonfinite.note_loss(loss)
         for k, v in metrics.items():
             self._metrics[k].append(float(v))
@@ -297,6 +312,24 @@ class AsyncTrainerBase(Trainer):
         kwargs = {"scale_wrt_gas": False} if self.accelerator.distributed_type == "DEEPSPEED" else {}
         self.accelerator.backward(loss, **kwargs)
         return loss.detach()
+
+    def further_passes(self) -> None:
+        """num_iterations > 1: after the step's first optimizer step (the Trainer's), passes 2.. over the same
+        micro-batches, each one optimizer step of its own (gradients clipped as the Trainer's, a non-finite step
+        skipped, `after_optimizer_step` after each), at the step's learning rate; the weights published afterwards
+        are those after the last pass. Every rank runs the same passes (DDP averages each backward's gradients)."""
+        kept, self._kept_passes = self._kept_passes, []
+        model = self.model_wrapped if self.model_wrapped is not None else self.model
+        for _ in range(self.passes - 1):
+            for groups, memo in kept:
+                self._backward(model, groups, memo)
+            grad_norm = None
+            if self.args.max_grad_norm and self.args.max_grad_norm > 0:
+                grad_norm = self.accelerator.clip_grad_norm_(model.parameters(), self.args.max_grad_norm)
+            if not self.nonfinite.check_step(grad_norm, model, self.optimizer):
+                self.optimizer.step()
+            model.zero_grad(set_to_none=True)
+            self.after_optimizer_step()
 
     def _get_grad_norm(self, model, grad_norm=None):
         """The Trainer's last call before `optimizer.step()`: a step with a non-finite loss or norm is skipped."""

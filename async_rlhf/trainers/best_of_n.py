@@ -29,7 +29,7 @@ class AsyncBestOfNTrainer(AsyncTrainerBase):
     def reference_temperature(self) -> float:
         return 1.0  # the loss compares sequence log-probs at temperature 1 (its `sequence_terms` call)
 
-    def compute_rollout_loss(self, model, groups):
+    def compute_rollout_loss(self, model, groups, kept=None):
         a = self.args
         best = []  # (group, best completion, has a finite reward); a group without one keeps a row, masked out
         for g, group in enumerate(groups):

@@ -80,8 +80,9 @@ class AsyncGRPOTrainer(AsyncTrainerBase):
                     if not (a.mask_truncated_completions and c.finish_reason == "length"))
         return total / (self.accelerator.num_processes * a.gradient_accumulation_steps)
 
-    def compute_rollout_loss(self, model, groups):
+    def compute_rollout_loss(self, model, groups, kept=None):
         a = self.args
+        first = not kept  # the step's first pass over these groups
         t = policy_terms(sequence_terms(model, self.ref_model, groups, temperature=a.sampling_temperature,
                                         sampling_temperature=a.sampling_temperature, **self.packing()), groups)
         dev = t.seq.mask.device
@@ -94,7 +95,7 @@ class AsyncGRPOTrainer(AsyncTrainerBase):
         if a.mask_truncated_completions:
             finished = torch.tensor([c.finish_reason != "length" for c in t.seq.completions], device=dev)
             mask = mask * finished[:, None].to(mask.dtype)
-        old, mu = ratio_denominator(t, a.off_policy_correction)
+        old, mu = ratio_denominator(t, a.off_policy_correction, kept)
         loss, m = grpo_loss(t.seq.logps, old, advantages, mask, loss_type=a.loss_type, epsilon_low=a.epsilon,
                             epsilon_high=a.epsilon_high, delta=a.delta,
                             importance_sampling_level=a.importance_sampling_level, ref_logps=t.seq.ref_logps,
@@ -111,7 +112,7 @@ class AsyncGRPOTrainer(AsyncTrainerBase):
         metrics["reward"] = finite.mean().item() if finite.numel() else 0.0
         metrics["reward_std"] = finite.std().item() if finite.numel() > 1 else 0.0
         metrics["frac_reward_zero_std"] = std_zero.float().mean().item()
-        metrics.update(trl_metrics(self, t))
+        metrics.update(trl_metrics(self, t, count_tokens=first))
         # KL-shaped score as objective/rlhf_reward, as the other learners (score - beta * sum(log pi - log pi_ref))
         kl_seq = ((t.seq.logps.detach() - t.seq.ref_logps) * t.mask).sum(-1)
         metrics.update(common_metrics(t, t.scores - a.beta * kl_seq, a.beta))

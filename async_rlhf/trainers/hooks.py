@@ -1,7 +1,8 @@
 """The Trainer-side plumbing of `AsyncTrainerBase`: the dataloader's tickets and the callback that drives the pipeline.
 
 The Trainer's dataloader yields one ticket per micro-batch (`StepTickets`; the data comes from the pipeline), and
-`PipelineHooks` runs after every optimizer step: the algorithm's own hook, the weight sync to the generators, the
+`PipelineHooks` runs after every optimizer step: the algorithm's own hook, the batch's further passes
+(`num_iterations`), the weight sync to the generators, the
 stop check after SIGTERM / SIGINT; it also writes each log line to `metrics.jsonl` on rank 0.
 """
 
@@ -39,6 +40,7 @@ class PipelineHooks(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         self.trainer.timeline.mark("first_step")
         self.trainer.after_optimizer_step()
+        self.trainer.further_passes()  # num_iterations > 1: the batch's later passes, each an optimizer step
         self.trainer.pipeline.after_optimizer_step(self.trainer.model, state.global_step)
         if self.trainer.stop_requested():  # SIGTERM / SIGINT: checkpoint this step, then stop
             control.should_save = True

@@ -47,7 +47,7 @@ class AsyncOnlineDPOTrainer(AsyncTrainerBase):
     def reference_temperature(self) -> float:
         return 1.0  # the loss compares sequence log-probs at temperature 1 (its `sequence_terms` call)
 
-    def compute_rollout_loss(self, model, groups: list[ScoredGroup]):
+    def compute_rollout_loss(self, model, groups: list[ScoredGroup], kept=None):
         a = self.args
         pairs, skipped = select_pairs(groups)
         used = pairs or [(g, 0, 1) for g in range(len(groups))]  # keep the graph (DDP) even with no pairs

@@ -7,6 +7,8 @@ optimizer step per batch it is the current forward pass, detached), and the poli
 - "none": the PPO ratio is π/μ, clipped: plain PPO on whatever data arrived.
 - "tis", "decoupled", "masked": the ratio is π/π_prox, clipped, and each token is weighted by π_prox/μ (truncated
   at `is_cap` / dropped above it / dropped outside [`is_floor`, `is_cap`]); see `losses/off_policy.py`.
+With `num_iterations` > 1 the step makes that many optimizer passes over its batch; π_prox and the advantages are
+those of the first pass (`first_pass`), so the clip binds from the second pass on (AReaL's decoupled PPO).
 Every step logs `off_policy/is_ess`, the effective sample size of the raw weights π/μ (1 on-policy), whatever the
 correction; with one, `policy/is_ess` is that of the weights the loss applied.
 
@@ -52,11 +54,25 @@ def policy_terms(seq: SequenceTerms, groups: list[ScoredGroup]) -> PolicyTerms:
     return PolicyTerms(seq, seq.mask * valid[:, None].to(seq.mask.dtype), scores, valid)
 
 
-def ratio_denominator(t: PolicyTerms, correction: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(old_logps, behaviour_logps) for `ppo_policy_loss` under `correction`."""
+def ratio_denominator(t: PolicyTerms, correction: str,
+                      kept: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(old_logps, behaviour_logps) for `ppo_policy_loss` under `correction`. The proximal policy is the learner
+    before the step: this forward, detached, in the step's first pass, and kept for its later passes (`kept`, see
+    `first_pass`)."""
     if correction == "none":
         return t.seq.behaviour, None
-    return t.seq.logps.detach(), t.seq.behaviour
+    return first_pass(kept, "proximal", lambda: t.seq.logps.detach()), t.seq.behaviour
+
+
+def first_pass(kept: dict | None, name: str, compute):
+    """`compute()` as the step's first pass over a micro-batch has it: computed then and kept in `kept` for the
+    later passes of num_iterations > 1 (`AsyncTrainerBase.further_passes`); computed every time when `kept` is None
+    (one pass)."""
+    if kept is None:
+        return compute()
+    if name not in kept:
+        kept[name] = compute()
+    return kept[name]
 
 
 def common_metrics(t: PolicyTerms, shaped: torch.Tensor, beta: float) -> dict[str, float]:
@@ -76,9 +92,10 @@ def common_metrics(t: PolicyTerms, shaped: torch.Tensor, beta: float) -> dict[st
     return out
 
 
-def trl_metrics(trainer, t: PolicyTerms) -> dict[str, float]:
+def trl_metrics(trainer, t: PolicyTerms, count_tokens: bool = True) -> dict[str, float]:
     """TRL's metric names for this micro-batch (module docstring; each learner adds its own `kl`); sets the
-    trainer's `num_tokens` itself (a running total, not a mean over the logging window)."""
+    trainer's `num_tokens` itself (a running total, not a mean over the logging window), counting the micro-batch's
+    tokens when `count_tokens` (its first pass)."""
     mask = t.seq.mask
     lengths = torch.tensor([float(c.num_sampled) for c in t.seq.completions])  # TRL: tool answers not counted
     truncated = torch.tensor([c.finish_reason == "length" for c in t.seq.completions])
@@ -94,6 +111,8 @@ def trl_metrics(trainer, t: PolicyTerms) -> dict[str, float]:
         "entropy": (-(t.seq.logps.detach() * mask).sum() / mask.sum().clamp(min=1)).item(),
     }
     out.update(episode_metrics(t.seq.completions))
+    if not count_tokens:
+        return out
     tokens = torch.tensor(float(t.seq.attention_mask.sum()), device=mask.device)
     if trainer.accelerator.num_processes > 1:  # every rank computes a micro-batch in step: a safe collective
         tokens = trainer.accelerator.reduce(tokens, reduction="sum")

@@ -17,7 +17,7 @@ from async_rlhf.learner.logprobs import sequence_terms
 from async_rlhf.learner.peft_policy import base_state_dict
 from async_rlhf.losses.ppo import gae_advantages, ppo_policy_loss, ppo_value_loss, whiten
 from async_rlhf.trainers.base import AsyncTrainerBase
-from async_rlhf.trainers.policy_gradient import common_metrics, policy_terms, ratio_denominator
+from async_rlhf.trainers.policy_gradient import common_metrics, first_pass, policy_terms, ratio_denominator
 
 
 def build_critic(policy) -> torch.nn.Module:
@@ -69,11 +69,26 @@ class AsyncPPOTrainer(AsyncTrainerBase):
                   {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
         return torch.optim.AdamW(groups, lr=a.learning_rate, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon)
 
-    def compute_rollout_loss(self, model, groups):
+    def compute_rollout_loss(self, model, groups, kept=None):
         a = self.args
         t = policy_terms(sequence_terms(model, self.ref_model, groups, temperature=a.sampling_temperature,
                                         sampling_temperature=a.sampling_temperature, **self.packing()), groups)
         values = token_values(self.critic, t.seq.input_ids, t.seq.attention_mask)
+        # rewards, advantages, returns and the value clip's old values are the first pass's (num_iterations > 1)
+        rewards, advantages, returns, old_values = first_pass(kept, "targets", lambda: self._targets(t, values))
+        old, mu = ratio_denominator(t, a.off_policy_correction, kept)
+        pg_loss, pm = ppo_policy_loss(t.seq.logps, old, advantages, t.mask, clip_eps=a.epsilon, behaviour_logps=mu,
+                                      off_policy=a.off_policy_correction, is_cap=a.is_cap, is_floor=a.is_floor)
+        vf_loss, vm = ppo_value_loss(values, old_values, returns, t.mask, clip_range_value=a.cliprange_value)
+        metrics = {f"policy/{k}": float(v) for k, v in pm.items()}
+        metrics.update({f"value/{k}": float(v) for k, v in vm.items()})
+        metrics.update(common_metrics(t, (rewards * t.mask).sum(-1), a.beta))
+        return pg_loss + a.vf_coef * vf_loss, metrics
+
+    def _targets(self, t, values) -> tuple:
+        """(per-token KL-shaped rewards, advantages, returns, values) of a micro-batch, all detached: the score on
+        the last completion token, -beta * (log pi - log pi_ref) on every token, GAE over the critic's values."""
+        a = self.args
         kl = (t.seq.logps.detach() - t.seq.ref_logps) * t.mask
         rewards = -a.beta * kl
         last = (t.mask.cumsum(-1) == t.mask.sum(-1, keepdim=True)) & (t.mask > 0)  # last completion token
@@ -81,14 +96,7 @@ class AsyncPPOTrainer(AsyncTrainerBase):
         advantages, returns = gae_advantages(rewards, values.detach(), t.mask, a.gamma, a.lam)
         if a.whiten_advantages and int(t.mask.sum()) > 1:
             advantages = whiten(advantages, t.mask)
-        old, mu = ratio_denominator(t, a.off_policy_correction)
-        pg_loss, pm = ppo_policy_loss(t.seq.logps, old, advantages, t.mask, clip_eps=a.epsilon, behaviour_logps=mu,
-                                      off_policy=a.off_policy_correction, is_cap=a.is_cap, is_floor=a.is_floor)
-        vf_loss, vm = ppo_value_loss(values, values.detach(), returns, t.mask, clip_range_value=a.cliprange_value)
-        metrics = {f"policy/{k}": float(v) for k, v in pm.items()}
-        metrics.update({f"value/{k}": float(v) for k, v in vm.items()})
-        metrics.update(common_metrics(t, (rewards * t.mask).sum(-1), a.beta))
-        return pg_loss + a.vf_coef * vf_loss, metrics
+        return rewards, advantages, returns, values.detach()
 
     def after_optimizer_step(self) -> None:
         if self.nonfinite.skipped_last:  # the policy's step was skipped (non-finite): the critic's is too

@@ -22,6 +22,7 @@ from async_rlhf.losses.rloo import kl_shaped_rewards, rloo_advantages, rloo_loss
 from async_rlhf.trainers.base import AsyncTrainerBase
 from async_rlhf.trainers.policy_gradient import (
     common_metrics,
+    first_pass,
     finish_group_trainer,
     policy_terms,
     ratio_denominator,
@@ -59,8 +60,9 @@ class AsyncRLOOTrainer(AsyncTrainerBase):
         self.normalize_advantages = self.args.normalize_advantages
         self.reward_clip_range = self.args.reward_clip_range
 
-    def compute_rollout_loss(self, model, groups):
+    def compute_rollout_loss(self, model, groups, kept=None):
         a = self.args
+        first = not kept  # the step's first pass over these groups
         t = policy_terms(sequence_terms(model, self.ref_model, groups, temperature=a.sampling_temperature,
                                         sampling_temperature=a.sampling_temperature, **self.packing()), groups)
         dev = t.seq.mask.device
@@ -72,14 +74,12 @@ class AsyncRLOOTrainer(AsyncTrainerBase):
         if a.mask_truncated_completions:
             finished = torch.tensor([c.finish_reason != "length" for c in t.seq.completions], device=dev)
             mask = mask * finished[:, None].to(mask.dtype)
-        shaped = kl_shaped_rewards(raw, t.seq.logps.detach(), t.seq.ref_logps, mask, a.beta)
+        # the KL-shaped rewards and advantages of the first pass: later passes (num_iterations > 1) keep them
+        shaped = first_pass(kept, "shaped", lambda: kl_shaped_rewards(raw, t.seq.logps.detach(), t.seq.ref_logps,
+                                                                      mask, a.beta))
         grouped = shaped.view(len(groups), a.num_generations)
-        advantages = rloo_advantages(grouped).reshape(-1)
-        scorable = torch.isfinite(advantages)
-        if a.normalize_advantages and int(scorable.sum()) > 1:
-            advantages = whiten(torch.nan_to_num(advantages, nan=0.0), scorable.to(advantages.dtype))
-        advantages = torch.nan_to_num(advantages, nan=0.0) * scorable.to(advantages.dtype)
-        old, mu = ratio_denominator(t, a.off_policy_correction)
+        advantages = first_pass(kept, "advantages", lambda: rloo_baselined(grouped, a.normalize_advantages))
+        old, mu = ratio_denominator(t, a.off_policy_correction, kept)
         loss, m = rloo_loss(t.seq.logps, old, advantages, mask, clip_eps=a.epsilon, behaviour_logps=mu,
                             off_policy=a.off_policy_correction, is_cap=a.is_cap, is_floor=a.is_floor)
         metrics = {f"policy/{k}": float(v) for k, v in m.items()}
@@ -105,6 +105,16 @@ class AsyncRLOOTrainer(AsyncTrainerBase):
         if a.beta != 0.0:  # TRL: the first-order per-token KL, masked mean
             kl = (t.seq.logps.detach() - t.seq.ref_logps) * mask
             metrics["kl"] = (kl.sum() / mask.sum().clamp(min=1)).item()
-        metrics.update(trl_metrics(self, t))
+        metrics.update(trl_metrics(self, t, count_tokens=first))
         metrics.update(common_metrics(t, torch.nan_to_num(shaped, nan=0.0), a.beta))
         return loss, metrics
+
+
+def rloo_baselined(grouped: torch.Tensor, normalize: bool) -> torch.Tensor:
+    """[P*k] advantages from [P, k] KL-shaped rewards: leave-one-out baselines, whitened over the scorable
+    completions when `normalize`; 0 for an unscorable completion (NaN reward)."""
+    advantages = rloo_advantages(grouped).reshape(-1)
+    scorable = torch.isfinite(advantages)
+    if normalize and int(scorable.sum()) > 1:
+        advantages = whiten(torch.nan_to_num(advantages, nan=0.0), scorable.to(advantages.dtype))
+    return torch.nan_to_num(advantages, nan=0.0) * scorable.to(advantages.dtype)

@@ -21,8 +21,8 @@ class NaNLossTrainer(AsyncOnlineDPOTrainer):
 
     nan_steps: set[int] = set()
 
-    def compute_rollout_loss(self, model, groups):
-        loss, metrics = super().compute_rollout_loss(model, groups)
+    def compute_rollout_loss(self, model, groups, kept=None):
+        loss, metrics = super().compute_rollout_loss(model, groups, kept)
         return (loss * math.nan if self.state.global_step in self.nan_steps else loss), metrics
 
 

@@ -23,6 +23,7 @@ policy of the wrong version.
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -358,3 +359,112 @@ def test_a_lagged_loop_fed_the_wrong_version_is_caught(lagged_runs, tiny_model_d
     off = max(max_difference(pipeline_params[s], wrong[s]) for s in range(LAGGED_STEPS))
     print(f"{name}, behaviour a version too new: max parameter difference {off:.2e}")
     assert off > 50 * LAGGED_TOLERANCE, f"{name}: the wrong version moves the parameters by only {off:.2e}"
+
+
+# ---- several passes per batch (num_iterations 2): decoupled PPO against the proximal policy ------------------------
+# Each step makes two optimizer passes over its batch; the proximal policy (the ratio's denominator) and the
+# advantages are the first pass's, the importance weight pi_prox / mu is capped (AReaL's decoupled PPO); one step
+# stale, so that mu differs from pi_prox. The loop keeps its own copy of the policy before each step as pi_prox.
+PASSES = dict(LAGGED, max_staleness=1, num_iterations=2, off_policy_correction="decoupled")
+
+
+@pytest.fixture(scope="module")
+def multi_pass_runs(tmp_path_factory, tiny_model_dir):
+    runs = {}
+    for name in ("rloo", "ppo", "grpo"):
+        trainer_cls, config_cls, extra = ALGORITHMS[name]
+        config = config_cls(output_dir=str(tmp_path_factory.mktemp(f"{name}-passes")), **{**PASSES, **extra})
+        trainer = recording(trainer_cls)(model=tiny_model_dir, reward_funcs=lowercase_reward, args=config,
+                                         train_dataset=toy_prompts(32))
+        trainer.recorded_groups, trainer.recorded_params = [], []
+        trainer.train()
+        assert len(trainer.recorded_groups) == LAGGED_STEPS  # one batch a step ...
+        assert len(trainer.recorded_params) == 2 * LAGGED_STEPS  # ... two optimizer steps on it
+        runs[name] = (config, trainer.recorded_groups, trainer.recorded_params)
+    return runs
+
+
+def decoupled_loss(name, a, policy, critic, groups, proximal_model, behaviour_model, ref_model, kept):
+    """The decoupled PPO loss of one pass: ratio pi / pi_prox clipped, weight pi_prox / mu (dropped above is_cap);
+    `kept`: what the first pass computed (the advantages; PPO's returns and old values), filled in the first."""
+    logps, mask, ids, attention = completion_logps(policy, groups, a.temperature)
+    with torch.no_grad():
+        ref = completion_logps(ref_model, groups, a.temperature)[0]
+        mu = completion_logps(behaviour_model, groups, a.temperature)[0]
+        prox = completion_logps(proximal_model, groups, a.temperature)[0]
+    scores = torch.tensor([r for g in groups for r in g.rewards])
+    weights = dict(behaviour_logps=mu, off_policy="decoupled", is_cap=a.is_cap)
+    if name == "rloo":
+        if not kept:
+            shaped = kl_shaped_rewards(scores, prox, ref, mask, a.beta)
+            kept["advantages"] = rloo_advantages(shaped.view(len(groups), a.num_generations)).reshape(-1)
+        return rloo_loss(logps, prox, kept["advantages"], mask, clip_eps=a.epsilon, **weights)[0]
+    if name == "grpo":
+        advantages = grpo_advantages(scores.view(len(groups), a.num_generations), a.scale_rewards)[0].reshape(-1)
+        return grpo_loss(logps, prox, advantages, mask, loss_type=a.loss_type, epsilon_low=a.epsilon, ref_logps=ref,
+                         beta=a.beta, max_completion_length=a.max_new_tokens, **weights)[0]
+    values = token_values(critic, ids, attention)
+    if not kept:
+        rewards = -a.beta * (prox - ref) * mask
+        last = (mask.cumsum(-1) == mask.sum(-1, keepdim=True)) & (mask > 0)
+        rewards = rewards + last.to(rewards.dtype) * scores[:, None]
+        advantages, returns = gae_advantages(rewards, values.detach(), mask, a.gamma, a.lam)
+        kept.update(advantages=whiten(advantages, mask), returns=returns, values=values.detach())
+    pg = ppo_policy_loss(logps, prox, kept["advantages"], mask, clip_eps=a.epsilon, **weights)[0]
+    vf = ppo_value_loss(values, kept["values"], kept["returns"], mask, clip_range_value=a.cliprange_value)[0]
+    return pg + a.vf_coef * vf
+
+
+def multi_pass_run(name, config, model_dir, steps_groups, versions, fresh_proximal=False):
+    """Parameters after every pass of a loop making `config.num_iterations` passes per step; `fresh_proximal`: the
+    proximal policy and advantages taken anew in each pass (what a trainer that forgot the first pass's would do)."""
+    torch.manual_seed(0)
+    policy = AutoModelForCausalLM.from_pretrained(model_dir)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir).eval().requires_grad_(False)
+    critic = build_critic(policy) if name == "ppo" else None
+    models = [m for m in (policy, critic) if m is not None]
+    optimizers = [adamw_like_the_trainer(m, config) for m in models]
+    by_version = [copy.deepcopy(policy).eval().requires_grad_(False)]
+    snapshots = []
+    for step, groups in enumerate(steps_groups):
+        proximal, kept = copy.deepcopy(policy).eval().requires_grad_(False), {}
+        for _ in range(config.num_iterations):
+            if fresh_proximal:
+                proximal, kept = copy.deepcopy(policy).eval().requires_grad_(False), {}
+            decoupled_loss(name, config, policy, critic, groups, proximal, by_version[versions[step]], reference,
+                           kept).backward()
+            for model, optimizer in zip(models, optimizers):
+                torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad()
+            snapshot = {f"policy.{n}": p.detach().clone() for n, p in policy.named_parameters()}
+            if critic is not None:
+                snapshot.update({f"critic.{n}": p.detach().clone() for n, p in critic.named_parameters()})
+            snapshots.append(snapshot)
+        by_version.append(copy.deepcopy(policy).eval().requires_grad_(False))
+    return snapshots
+
+
+def logged(config, key: str) -> list[float]:
+    with open(f"{config.output_dir}/metrics.jsonl") as f:
+        return [r[key] for r in map(json.loads, f) if key in r]
+
+
+@pytest.mark.parametrize("name", ["rloo", "ppo", "grpo"])
+def test_passes_after_the_first_clip_against_the_proximal_policy(multi_pass_runs, tiny_model_dir, name):
+    config, steps_groups, pipeline_params = multi_pass_runs[name]
+    versions = sampled_versions(steps_groups)
+    assert versions == [max(0, t - 1) for t in range(LAGGED_STEPS)], versions
+    loop = multi_pass_run(name, config, tiny_model_dir, steps_groups, versions)
+    for i, (ours, theirs) in enumerate(zip(pipeline_params, loop)):
+        diff = max_difference(ours, theirs)
+        print(f"{name} step {i // 2} pass {i % 2 + 1}: max parameter difference {diff:.2e}")
+        assert diff < LAGGED_TOLERANCE, f"{name} step {i // 2} pass {i % 2 + 1}: parameters differ by {diff:.2e}"
+    # the trust region binds: some token's ratio left [1 - eps, 1 + eps] in the second passes
+    clipped = logged(config, "policy/clipfrac" if name == "ppo" else "clip_ratio/region_mean")
+    assert max(clipped) > 0, clipped
+    # ... and a loop that took the proximal policy anew in each pass ends elsewhere
+    fresh = multi_pass_run(name, config, tiny_model_dir, steps_groups, versions, fresh_proximal=True)
+    off = max(max_difference(a, b) for a, b in zip(pipeline_params, fresh))
+    print(f"{name}, proximal taken anew each pass: max parameter difference {off:.2e}")
+    assert off > 50 * LAGGED_TOLERANCE, f"{name}: a fresh proximal moves the parameters by only {off:.2e}"

@@ -41,9 +41,9 @@ def build(policy_dir, out, given: list, **kw) -> AsyncOnlineDPOTrainer:
                                     train_dataset=toy_prompts(48, seed=2, lengths=(24, 1.0, 96)))
     loss = trainer.compute_rollout_loss
 
-    def recorded(model, groups):
+    def recorded(model, groups, kept=None):
         given.append((trainer.state.global_step, [g.prompt_id for g in groups]))
-        return loss(model, groups)
+        return loss(model, groups, kept)
 
     trainer.compute_rollout_loss = recorded
     return trainer

@@ -248,7 +248,7 @@ def test_config_mapping_and_validation(tmp_path):
     assert AsyncGRPOConfig(output_dir=str(tmp_path), scale_rewards=True).scale_rewards == "group"
     assert AsyncGRPOConfig(output_dir=str(tmp_path), scale_rewards="False").scale_rewards == "none"  # a flag's text
     for bad, field in [({"loss_type": "ppo"}, "loss_type"), ({"scale_rewards": "global"}, "scale_rewards"),
-                       ({"num_iterations": 2}, "num_iterations"), ({"delta": 0.5}, "delta"),
+                       ({"num_iterations": 0}, "num_iterations"), ({"delta": 0.5}, "delta"),
                        ({"importance_sampling_level": "batch"}, "importance_sampling_level")]:
         with pytest.raises(ConfigError, match=f"^{field}:"):
             AsyncGRPOConfig(output_dir=str(tmp_path), **bad)
