@@ -34,7 +34,8 @@ class SamplingSettings:
     top_p: float = 1.0
     top_k: int = -1  # -1: no top-k filter
     n: int = 2  # completions per prompt
-    seed: int | None = None
+    seed: int | None = None  # per (batch, prompt, sample) with vLLM; not honoured by transformers' continuous
+    # batching, which has one seed per generator (experimental/continuous_batching/backend.py)
     min_p: float = 0.0  # 0: off; else drop tokens less likely than min_p x the most likely one (after temperature)
     repetition_penalty: float = 1.0  # 1: off; else logits of tokens already in the prompt or completion: l/p if l > 0
     # else l*p (before temperature; transformers' and vLLM's definition)

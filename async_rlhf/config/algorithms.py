@@ -161,10 +161,13 @@ class AsyncGroupRLConfig(AsyncPolicyGradientConfig):
     log_multimodal: bool = field(default=True, metadata={"help": "TRL: no-op (text policies only)."})
     num_completions_to_print: int | None = field(default=None, metadata={"help": "TRL: no-op."})
     log_unique_prompts: bool = field(default=False, metadata={"help": "TRL: no-op."})
-    use_transformers_continuous_batching: bool = field(default=False, metadata={"help": "TRL: no-op (generators "
-                                                                                        "are ours)."})
-    transformers_continuous_batching_config: dict | str | None = field(default=None, metadata={"help": "TRL: no-op."})
-    use_transformers_paged: bool = field(default=False, metadata={"help": "TRL (deprecated): no-op."})
+    use_transformers_continuous_batching: bool = field(default=False, metadata={"help": "TRL: True sets "
+                                                                                        "continuous_batching."})
+    transformers_continuous_batching_config: dict | str | None = field(
+        default=None, metadata={"help": "TRL: with use_transformers_continuous_batching, sets "
+                                        "continuous_batching_config."})
+    use_transformers_paged: bool = field(default=False, metadata={"help": "TRL (deprecated): True sets "
+                                                                          "use_transformers_continuous_batching."})
 
     counts_completions = True  # class constant: per_device_train_batch_size counts completions (TRL), not prompts
 

@@ -252,6 +252,52 @@ def check_staleness_bound(config) -> None:
                           f"got {cap!r}")
 
 
+# transformers' ContinuousBatchingConfig values the continuous-batching generators need (why:
+# experimental/continuous_batching/backend.py); a continuous_batching_config asking otherwise is refused
+CONTINUOUS_BATCHING_FORCED = {"return_logprobs": True, "allow_block_sharing": False, "use_async_batching": False,
+                              "cpu_offload_space": 0.0}
+
+
+def check_continuous_batching(config) -> None:
+    """`continuous_batching`: transformers' streaming generators. Settles generator_backend and generation_mode where
+    they are 'auto' (to 'transformers' and 'stream': the option names its engine, nothing to measure), refuses what
+    the engine cannot serve, and checks `continuous_batching_config` against transformers' ContinuousBatchingConfig."""
+    if not config.continuous_batching:
+        return
+    if config.generator_servers:
+        raise ConfigError("continuous_batching: generator_servers are vLLM servers; continuous batching runs in the "
+                          "run's own generator processes (drop generator_servers or continuous_batching)")
+    if config.generator_backend == "auto":
+        config.generator_backend = "transformers"
+    if config.generator_backend != "transformers":
+        raise ConfigError(f"continuous_batching: transformers' continuous batching is a transformers engine, but "
+                          f"generator_backend={config.generator_backend!r}; use generator_backend='transformers' "
+                          "(or 'auto'), or continuous_batching=False")
+    if config.generation_mode == "auto":
+        config.generation_mode = "stream"
+    if config.generation_mode != "stream":
+        raise ConfigError(f"continuous_batching: its generators answer each prompt group as it finishes (the "
+                          f"streaming path), but generation_mode={config.generation_mode!r}; use generation_mode="
+                          "'stream' (or 'auto')")
+    if config.repetition_penalty != 1.0:
+        raise ConfigError(f"continuous_batching: transformers' continuous batching drops the repetition penalty (its "
+                          f"processors see only each sequence's last token), got repetition_penalty="
+                          f"{config.repetition_penalty}; use repetition_penalty=1 or continuous_batching=False")
+    given = config.continuous_batching_config or {}
+    from transformers.generation import ContinuousBatchingConfig
+
+    known = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise ConfigError(f"continuous_batching_config: {unknown} are not fields of transformers' "
+                          f"ContinuousBatchingConfig (valid: {sorted(known)})")
+    clash = {k: v for k, v in given.items() if k in CONTINUOUS_BATCHING_FORCED and v != CONTINUOUS_BATCHING_FORCED[k]}
+    if clash:
+        raise ConfigError(f"continuous_batching_config: {clash} would break the generators' guarantees (behaviour "
+                          f"log-probs, exact versions after a weight load); these are fixed at "
+                          f"{CONTINUOUS_BATCHING_FORCED}")
+
+
 def check_generator_servers(config) -> None:
     """Every `generator_servers` entry is an address the HTTP client can reach (scheme, host, port)."""
     for address in config.generator_servers or []:
@@ -362,9 +408,10 @@ def _value(config, name: str) -> str:
 
 UNSUPPORTED = [
     ("generation_mode", "generator_backend",
-     lambda c: c.generation_mode == "stream" and c.generator_backend == "transformers" and not c.generator_servers,
-     "'stream' needs vLLM (transformers samples whole batches)",
-     "use generator_backend='vllm' or generation_mode='batch'"),
+     lambda c: (c.generation_mode == "stream" and c.generator_backend == "transformers" and not c.generator_servers
+                and not c.continuous_batching),
+     "'stream' needs vLLM or transformers' continuous batching (transformers' generate samples whole batches)",
+     "use generator_backend='vllm', continuous_batching=True or generation_mode='batch'"),
     ("partial_rollouts", "max_staleness", lambda c: c.partial_rollouts and c.max_staleness < 1,
      "nothing can be carried past a step at max_staleness 0", "set max_staleness >= 1"),
     ("partial_rollouts", "generation_mode", lambda c: c.partial_rollouts and not _streams(c),

@@ -11,7 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from async_rlhf.config import speculative
-from async_rlhf.config.checks import check_speculative, check_staleness_bound, comma_list
+from async_rlhf.config.checks import (
+    check_continuous_batching,
+    check_speculative,
+    check_staleness_bound,
+    comma_list,
+)
 from async_rlhf.errors import ConfigError
 
 
@@ -98,6 +103,31 @@ class ExperimentalFields:
     )
     num_speculative_tokens: int = field(
         default=4, metadata={"help": "Draft tokens per step with speculative decoding (1-16)."})
+    # ---- transformers' continuous batching in the generators (experimental/continuous_batching/) -----------
+    continuous_batching: bool = field(
+        default=False,
+        metadata={"help": "Generators sample with transformers' continuous batching (paged attention; "
+                  "experimental/continuous_batching/) rather than static batches: streaming generators without "
+                  "vLLM, each prompt group answered as it finishes, behaviour log-probs for every token, weights "
+                  "loaded per weight_load ('in_flight': between two decode steps, running samples continue on the new "
+                  "weights from their recomputed context, each token keeping its version). Sets "
+                  "generator_backend='transformers' and generation_mode='stream' where they are 'auto' (never "
+                  "chosen by generator_backend='auto' itself: not measured faster; benchmarks/continuous_batching.py). "
+                  "No per-request seeds: one seed per generator, so samples are not reproducible run to run. Not "
+                  "with repetition_penalty (transformers drops it), vLLM, generator_servers or "
+                  "weight_transport='network'. TRL's use_transformers_continuous_batching (and use_transformers_paged) "
+                  "sets it."},
+    )
+    continuous_batching_config: dict | str | None = field(
+        default=None,
+        metadata={"help": "With continuous_batching: keyword arguments of transformers' ContinuousBatchingConfig "
+                  "(page_size, num_blocks, max_batch_tokens, max_memory_percent, ...; a JSON object on the command "
+                  "line), over the defaults (CPU: page_size 32, max_batch_tokens 512, num_blocks for at most 32768 "
+                  "tokens and 1 GiB of cache; GPU: max_memory_percent 0.5, as TRL). return_logprobs, "
+                  "allow_block_sharing, use_async_batching and cpu_offload_space are fixed "
+                  "(experimental/continuous_batching/backend.py says why). TRL's "
+                  "transformers_continuous_batching_config sets it."},
+    )
 
     def normalize_experimental(self) -> None:
         """Before the type checks: a single spare device given as a string becomes a list."""
@@ -105,8 +135,17 @@ class ExperimentalFields:
 
     def check_experimental(self) -> None:
         """Ranges and relations of these fields, each error naming the field (`config/checks.py`)."""
+        check_continuous_batching(self)  # first: it may settle generator_backend, which the others read
         check_staleness_bound(self)
         check_speculative(self)
+
+    def generator_engine_options(self) -> dict:
+        """Keyword arguments these settings add to every local generator's engine (`generation/pool/placement.py`):
+        transformers' continuous-batching config with `continuous_batching` (read by
+        `experimental/continuous_batching/engine.py`'s backend); {} otherwise."""
+        if not self.continuous_batching:
+            return {}
+        return {"continuous_batching": dict(self.continuous_batching_config or {})}
 
     def vllm_speculative_config(self) -> dict | None:
         """vLLM's `speculative_config` for local generators (`config/speculative.py`); None: no speculation. Called

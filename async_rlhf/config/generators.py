@@ -23,12 +23,15 @@ class GeneratorFields:
                   "can, vLLM on GPU, and on CPU the one measured faster for this run (both timed on the policy once "
                   "per machine, cached; generation/pool/backend_probe.py), with one line giving the figures. The trainer "
                   "decides when it is built, before any generator starts, and writes the choice here. TRL's "
-                  "use_vllm=True sets 'vllm' (False, TRL's default, leaves it)."},
+                  "use_vllm=True sets 'vllm' (False, TRL's default, leaves it). 'auto' never picks transformers' "
+                  "continuous batching (the experimental continuous_batching option; not measured faster than "
+                  "either); that option sets 'transformers' itself."},
     )
     generation_mode: str = field(
         default="auto",
         metadata={"help": "'stream': each prompt group is its own request, sampled as soon as it is admitted next to "
-                  "whatever else the engine runs and returned the moment its samples end (vLLM); 'batch': one "
+                  "whatever else the engine runs and returned the moment its samples end (vLLM, or transformers "
+                  "with continuous_batching); 'batch': one "
                   "generate call per batch chunk, returned when its longest sample ends (the baseline); 'auto': "
                   "stream with vllm, batch with transformers (decided after generator_backend)."},
     )
@@ -38,7 +41,10 @@ class GeneratorFields:
                   "samples already started finish on the old weights first, so every sample has one version) or "
                   "'in_flight' (load at once; running samples continue on the new weights, every token keeps the "
                   "version and behaviour log-prob it was sampled with, and the staleness bound applies to the "
-                  "oldest token)."},
+                  "oldest token). Multi-turn episodes (tools, environments) on batch-level generators: 'in_flight' loads "
+                  "the updates that arrive while a request's episodes run between two of their turns (later turns "
+                  "sample with the new weights; `version_starts` records each turn's version), 'drain' only "
+                  "between requests."},
     )
     generator_assignment: str = field(
         default="tokens",

@@ -40,6 +40,10 @@ TRL 1.16 `GRPOConfig` / `RLOOConfig` fields on the group learners (`AsyncGroupRL
   `multi_objective_aggregation='normalize_then_sum'`, a per_device_train_batch_size that is not a multiple of
   num_generations (micro-batches hold whole prompt groups here), a steps_per_generation that straddles optimizer
   steps.
+* mapped onto the generators: `use_transformers_continuous_batching=True` (or the deprecated
+  `use_transformers_paged`) -> `continuous_batching=True`, with `transformers_continuous_batching_config` ->
+  `continuous_batching_config` (transformers' continuous batching in our generator processes, streaming:
+  `experimental/continuous_batching/`).
 * no-op, in the same one warning as above (`GROUP_NO_OPS`): logging and engine options of TRL's in-process
   generation, the entropy bonus and masking, TRL's vLLM importance-sampling correction
   (here `off_policy_correction` does that job), the 'vespo' loss's parameters.
@@ -83,9 +87,6 @@ GROUP_NO_OPS = {
     "num_completions_to_print": (None, "no completions table is printed"),
     "log_unique_prompts": (False, "no completions table is printed"),
     "log_completions_hub_repo": (None, "nothing is uploaded"),
-    "use_transformers_continuous_batching": (False, "generators are our own processes"),
-    "transformers_continuous_batching_config": (None, "generators are our own processes"),
-    "use_transformers_paged": (False, "generators are our own processes"),
     "cast_lm_head_to_fp32": (False, "the head runs in the policy's dtype"),
     "top_entropy_quantile": (1.0, "every completion token trains (entropy masking is not built)"),
     "entropy_coef": (0.0, "no entropy bonus is built"),
@@ -161,6 +162,7 @@ def apply_group_fields(config) -> None:
         config.vllm_max_model_len = config.vllm_max_model_length
     if config.use_transformers_paged:
         config.use_transformers_continuous_batching = True
+    _continuous_batching_fields(config)
     if not 0 < config.ref_model_mixup_alpha <= 1:
         raise ConfigError(f"ref_model_mixup_alpha: must be in (0, 1], got {config.ref_model_mixup_alpha}")
     if config.ref_model_sync_steps < 1:
@@ -171,6 +173,22 @@ def apply_group_fields(config) -> None:
                           "batch size on out-of-memory breaks this invariant. Set auto_find_batch_size=False and "
                           "lower per_device_train_batch_size instead.")
     _batch_sizes(config)
+
+
+def _continuous_batching_fields(config) -> None:
+    """TRL's `use_transformers_continuous_batching` / `transformers_continuous_batching_config` -> our
+    `continuous_batching` / `continuous_batching_config` (`config/experimental.py`); TRL reads its config only with
+    the flag on, and so does this."""
+    if not config.use_transformers_continuous_batching:
+        return
+    config.continuous_batching = True
+    theirs, ours = config.transformers_continuous_batching_config, config.continuous_batching_config
+    if theirs is None:
+        return
+    if ours is not None and ours != theirs:
+        raise ConfigError(f"transformers_continuous_batching_config={theirs!r} and continuous_batching_config="
+                          f"{ours!r} disagree; set one of them")
+    config.continuous_batching_config = theirs
 
 
 def pad_multiple(value):

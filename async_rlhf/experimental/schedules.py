@@ -8,6 +8,7 @@ trainer names an option. Options that cannot go together are refused earlier, by
 from __future__ import annotations
 
 from async_rlhf.experimental.arrival_order import ArrivalOrderBatches
+from async_rlhf.experimental.continuous_batching import ContinuousBatchingEngine
 from async_rlhf.experimental.elastic import make_elastic
 from async_rlhf.experimental.elastic_pool import ElasticGeneratorPool
 from async_rlhf.experimental.fused_reference import reference_parts
@@ -40,7 +41,11 @@ def generator_scheduling(args, learners: int):
 
 def stream_engine(args) -> type | None:
     """The engine a streaming generator serves with (`generation/engine/worker.GeneratorSpec.stream_engine`): one that
-    can hand requests over mid-sample with `tail_migration`; None: the core's `StreamEngine`."""
+    can hand requests over mid-sample with `tail_migration`, transformers' continuous batching with
+    `continuous_batching` (the config refuses the two together: tail migration is vLLM's); None: the core's
+    `StreamEngine`."""
+    if args.continuous_batching:
+        return ContinuousBatchingEngine
     return HandoffEngine if args.tail_migration else None
 
 

@@ -124,7 +124,8 @@ def trl_metrics(trainer, t: PolicyTerms, count_tokens: bool = True) -> dict[str,
 def episode_metrics(completions) -> dict[str, float]:
     """Multi-turn episodes' metrics (none for single-turn samples): TRL's `tools/call_frequency` (calls per sample)
     and `tools/failure_frequency` (failed calls per call), and ours: turns per episode, timed-out calls per call,
-    unscorable episodes (an environment's `reset` or `get_reward` raised) per episode."""
+    unscorable episodes (an environment's `reset` or `get_reward` raised) per episode, episodes whose turns more
+    than one weight version sampled (`weight_load='in_flight'`) per episode."""
     episodes = [c.episode for c in completions if c.episode]
     if not episodes:
         return {}
@@ -133,7 +134,9 @@ def episode_metrics(completions) -> dict[str, float]:
             "tools/failure_frequency": sum(e["tool_failures"] for e in episodes) / calls if calls else 0.0,
             "episodes/turns": sum(e["turns"] for e in episodes) / len(episodes),
             "episodes/tool_timeout_frequency": sum(e["tool_timeouts"] for e in episodes) / calls if calls else 0.0,
-            "episodes/unscorable": sum(bool(e["error"]) for e in episodes) / len(episodes)}
+            "episodes/unscorable": sum(bool(e["error"]) for e in episodes) / len(episodes),
+            "episodes/spanning_versions": sum(len(c.version_starts) > 1 for c in completions if c.episode)
+            / len(episodes)}
 
 
 class SyncReference(TrainerCallback):

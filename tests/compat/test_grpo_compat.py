@@ -206,7 +206,7 @@ def test_every_trl_config_field_is_accepted_and_no_ops_are_named_once(tmp_path, 
     no_ops = dict(shuffle_dataset=False, log_completions=True, num_completions_to_print=2,
                   entropy_coef=0.01, top_entropy_quantile=0.5, cast_lm_head_to_fp32=True, num_generations_eval=4,
                   vllm_importance_sampling_correction=False,
-                  off_policy_mask_threshold=0.5, use_transformers_continuous_batching=True, vespo_k_pos=1.0)
+                  off_policy_mask_threshold=0.5, vespo_k_pos=1.0)  # (TRL's continuous batching is mapped)
     with caplog.at_level(logging.WARNING, logger="async_rlhf.config.trl_fields"):
         config = AsyncGRPOConfig(output_dir=str(tmp_path), vllm_max_model_length=256, **no_ops)
     lines = [r.getMessage() for r in caplog.records if r.name == "async_rlhf.config.trl_fields"]

@@ -97,8 +97,7 @@ def test_every_trl_config_field_is_accepted_and_no_ops_are_named_once(tmp_path, 
     from async_rlhf import AsyncRLOOConfig
 
     assert not {f.name for f in dataclasses.fields(RLOOConfig)} - {f.name for f in dataclasses.fields(AsyncRLOOConfig)}
-    no_ops = dict(shuffle_dataset=False, log_completions=True, num_generations_eval=4,
-                  use_transformers_continuous_batching=True)
+    no_ops = dict(shuffle_dataset=False, log_completions=True, num_generations_eval=4)
     with caplog.at_level(logging.WARNING, logger="async_rlhf.config.trl_fields"):
         AsyncRLOOConfig(output_dir=str(tmp_path), reward_clip_range=[-1.0, 1.0], mask_truncated_completions=True,
                         **no_ops)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 from datasets import Dataset
@@ -64,6 +65,39 @@ def test_a_generator_killed_mid_episode_is_restarted_and_its_episodes_played_aga
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 4  # whole episodes only: a request dies whole with its process and is sent again
     assert all(h["tools/call_frequency"] > 0 and h["episodes/unscorable"] == 0 for h in logs)
+
+
+class SlowGuessEnv(g.GuessEnv):
+    """The guessing environment with a tool latency (a remote service's), so that a learner step ends while the next
+    batch's episodes are still being played."""
+
+    def guess(self, n: int) -> str:
+        """Guess the secret number.
+
+        Args:
+            n: The number guessed, from 0 to 15.
+
+        Returns:
+            higher if the secret is higher than n, lower if it is lower, correct if it is n.
+        """
+        time.sleep(0.2)
+        return super().guess(n)
+
+
+def test_weights_loaded_between_turns_keep_every_token_within_the_bound(guess_policy, tmp_path):
+    """weight_load='in_flight': the learner's updates load between turns of the episodes being played; every sample's
+    oldest and newest token versions stay within the bound (the records), and the run counts the episodes whose
+    turns spanned versions (how many do depends on timing: tests/integration/test_episode_weight_loads.py makes one
+    happen)."""
+    from async_rlhf import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), max_steps=3, max_staleness=1, weight_load="in_flight", **FIELDS)
+    trainer = AsyncGRPOTrainer(model=guess_policy, args=args, train_dataset=g.make_split(64, 0, "train"),
+                               environment_factory=SlowGuessEnv)
+    trainer.train()
+    check_staleness_records(tmp_path, 3, 1, trainer.run_summary)
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 3 and all(0 <= h["episodes/spanning_versions"] <= 1 for h in logs)
 
 
 def test_rloo_routes_rows_to_their_environment(guess_policy, tmp_path):

@@ -12,8 +12,11 @@ is where and how the tools run:
   (`tool_timeouts`, and as a failure); its environment instance is not reused, since its call may still be running;
 * an exception in `reset` or `get_reward` leaves the episode unscorable (`Completion.episode["error"]`, its reward
   NaN, out of its group's statistics), never the generator's death.
-Every sampled token keeps its behaviour log-prob and mask 1; tool answers mask 0 (`Completion.mask`). Weights load only
-between requests here (batch-level serving), so an episode's tokens share one version: the request's.
+Every sampled token keeps its behaviour log-prob and mask 1; tool answers mask 0 (`Completion.mask`). Weights load
+between requests, and with `weight_load='in_flight'` also between two turns (`serve_loops.serve_batches`' `between
+_turns`): an episode whose turns were sampled by more than one version records them in `Completion.version_starts`
+([version, first token] at the first sampled token of each turn with a new version); one version: left empty (the
+batch's `policy_version`, the version the request started with, which is the oldest).
 
 The environment's `get_reward()` (sync or async) runs here at the episode's end and travels as a number
 (`episode["rewards"]`, keyed by the environment's class name); reward functions on the learner get `environments=` as
@@ -67,8 +70,11 @@ class EpisodeRunner:
         self.free: dict = {name: [] for name in (spec.environment_factories or {})}  # reusable instances
 
     # ---- one request ---------------------------------------------------------------------------------------
-    def run(self, request: GenerationRequest) -> tuple[list[list[int]], list[list[Completion]]]:
-        """(each group's prompt ids, [P][n] completions) of the request's episodes."""
+    def run(self, request: GenerationRequest, version: int = 0,
+            between_turns: Callable[[], int] | None = None) -> tuple[list[list[int]], list[list[Completion]]]:
+        """(each group's prompt ids, [P][n] completions) of the request's episodes, started with weights `version`;
+        `between_turns()`, called before each turn after the first, may load newer weights and returns the version
+        loaded."""
         n = request.settings.n
         rows = [request.rows[p] for p in range(len(request.rows)) for _ in range(n)]
         names = [self._environment_name(row) for row in rows]
@@ -76,19 +82,29 @@ class EpisodeRunner:
         rounds = iter(range(1 << 30))
         settings = request.settings
 
+        spans: dict[int, list[list[int]]] = {}  # id(episode) -> [[version, first completion token], ...]
+        current = version
+
         def sample(episodes: list[Episode], budgets: list[int]):
             # each round its own seeds (sample k of round r: seed + r * 1_000_003 + k), so a resumed or regenerated
             # request draws the same episodes
+            nonlocal current
             r = next(rounds)
+            if r and between_turns is not None:
+                current = between_turns()
             seed = None if settings.seed is None else settings.seed + r * 1_000_003
             one = dataclasses.replace(settings, n=1, seed=seed, max_new_tokens=max(budgets))
             groups = self.backend.generate([e.turn_prompts[-1] for e in episodes], one, budgets)
+            for e, g in zip(episodes, groups):
+                own = spans.setdefault(id(e), [[current, 0]])
+                if g[0].token_ids and own[-1][0] != current:
+                    own.append([current, len(e.completion_ids)])  # this turn's first sampled token
             return [(g[0].token_ids, g[0].logprobs) for g in groups]
 
         episodes = run_episodes(self.spec.tokenizer, envs, rows, sample, self.spec.max_completion_length,
                                 self._iterations(), self.turn_tokens, self.spec.max_model_len,
                                 tools=self.spec.tools, call_tools=self.call_tools)
-        completions = [self._completion(e, name) for e, name in zip(episodes, names)]
+        completions = [self._completion(e, name, spans.get(id(e), [])) for e, name in zip(episodes, names)]
         for e, name in zip(episodes, names):
             if e.env is not None and not e.tool_timeouts:  # a timed-out call may still run: not reused
                 self.free[name].append(e.env)
@@ -175,7 +191,7 @@ class EpisodeRunner:
             return {}, f"get_reward raised {type(e).__name__}: {e}"
         return {type(env).__name__: value}, ""
 
-    def _completion(self, e: Episode, name) -> Completion:
+    def _completion(self, e: Episode, name, spans: list[list[int]]) -> Completion:
         rewards, error = ({}, "") if e.error else self._reward(e.env)
         ids = e.completion_ids
         finish = "stop" if ids and ids[-1] in self.stop_ids else "length"
@@ -184,7 +200,8 @@ class EpisodeRunner:
                    "env": type(e.env).__name__ if e.env is not None else "", "environment": name,
                    "rewards": rewards, "state": snapshot(e.env), "error": e.error or error}
         return Completion(token_ids=list(ids), logprobs=list(e.logprobs), finish_reason=finish, mask=list(e.mask),
-                          prompt_token_ids=list(e.prompt_ids), episode=episode)
+                          prompt_token_ids=list(e.prompt_ids), episode=episode,
+                          version_starts=spans if len(spans) > 1 else [])
 
     def close(self) -> None:
         self.threads.shutdown(wait=False, cancel_futures=True)

@@ -13,11 +13,16 @@ A `Completion` keeps them as `version_starts` ([version, first token] pairs) and
 When weights load only while the engine is empty (`weight_load="drain"`, the default) every sample has one version.
 
 Extension points, each a method with the core's behaviour as its default, for an engine that serves an optional
-schedule (a subclass named by `GeneratorSpec.stream_engine`; today `experimental/tail_migration/engine.py`):
+schedule (a subclass named by `GeneratorSpec.stream_engine`; today `experimental/tail_migration/engine.py` and
+`experimental/continuous_batching/engine.py`):
 `start_group` (how a prompt group enters the engine), `noted` (every step's output of a sample, before it is
 checked for its end), `finished` (a finished sample's `Completion`), `handle` (an inbox message kind the serve loop
 does not know: the answers to put in the outbox) and `output_delta` (ask vLLM for every step's new tokens rather than
-the finished sample's).
+the finished sample's); and, for an engine that drives another sampler than vLLM's, `make_backend` (the backend the
+generator process builds: the core's `load_backend`), `begin` (the version of the weights before any update: vLLM
+labels tokens with its engine's weight version) and `load_weights` (load an update between two steps: the backend's
+`load_weights`, which in vLLM's case also recomputes running samples over their context). The serve loop uses of an
+engine only `busy`, `busy_seconds`, `submit`, `step`, `handle`, `begin` and `load_weights`.
 
 Seeds are those of `VLLMBackend.generate` (prompt p of a request: `seed + p*n + i`, its i-th sample `seed + p*n + i`):
 a group gets the same samples whether it is sampled alone, in a chunk, or in a whole batch.
@@ -75,6 +80,22 @@ class StreamEngine:
             raise ValueError(f"generator {self.generator_id}: request {key} has nothing to sample")
 
     # ---- extension points (the core's behaviour) -----------------------------------------------------------
+    @classmethod
+    def make_backend(cls, kind: str, model_path: str, device: str, seed: int, engine_kwargs: dict):
+        """The backend a generator serving with this engine builds: `load_backend(kind, ...)` (vLLM's for the core)."""
+        from async_rlhf.generation.engine import load_backend
+
+        return load_backend(kind, model_path, device=device, seed=seed, **engine_kwargs)
+
+    def begin(self, version: int) -> None:
+        """Before any request: the weights loaded are `version`; vLLM labels each token with it until an update."""
+        self.backend.llm.update_weight_version(str(version))
+
+    def load_weights(self, update) -> None:
+        """Load `update` between two steps (samples may be running with `weight_load='in_flight'`: vLLM's backend
+        preempts them and recomputes their context with the new weights, `vllm_backend.py`)."""
+        self.backend.load_weights(update)
+
     def start_group(self, state: OpenRequest, key: str, p: int, prompt_ids: list[int], budget: int) -> None:
         """Put prompt group `p` of a submitted request into the engine: one engine request for its n samples."""
         from vllm.inputs import TokensPrompt

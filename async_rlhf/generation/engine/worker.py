@@ -50,10 +50,11 @@ class GeneratorSpec:
     engine_kwargs: dict = field(default_factory=dict)
     initial_version: int = 0
     log_path: str | None = None  # the process's whole output (see `process_log.py`); None: console only
-    streaming: bool = False  # request-level serving (`serve_loops.serve_stream`, vLLM only); else batch-level
+    streaming: bool = False  # request-level serving (`serve_loops.serve_stream`); else batch-level
     weight_load: str = "drain"  # streaming: "drain" | "in_flight" (see `serve_loops.py`)
     stream_engine: type | None = None  # streaming: a `StreamEngine` subclass an optional schedule serves with
-    # (chosen in `experimental/schedules.py`); None: `stream_engine.StreamEngine`
+    # (chosen in `experimental/schedules.py`), which also builds the backend (`make_backend`); None:
+    # `stream_engine.StreamEngine`
     episodes: object | None = None  # an `episodes.EpisodeSpec`: requests with rows are multi-turn episodes
 
 
@@ -174,10 +175,17 @@ def _serve(spec: GeneratorSpec, inbox, outbox, where: str = "") -> bool:
                 # `torch.compile` that saves GPU memory), on its first sample: 4 s of every generator's start here,
                 # 30 s on a machine whose inductor cache is cold. Eager, it computes the same counts.
                 torch._dynamo.config.disable = True
-        from async_rlhf.generation.engine import load_backend
-
         t0 = time.perf_counter()
-        backend = load_backend(spec.backend, spec.model_path, device=device, seed=spec.seed, **spec.engine_kwargs)
+        if spec.streaming:  # the streaming engine builds the backend it drives (the core's: `load_backend`'s)
+            from async_rlhf.generation.engine.stream_engine import StreamEngine
+
+            make_backend = (spec.stream_engine or StreamEngine).make_backend
+            backend = make_backend(spec.backend, spec.model_path, device, spec.seed, spec.engine_kwargs)
+        else:
+            from async_rlhf.generation.engine import load_backend
+
+            backend = load_backend(spec.backend, spec.model_path, device=device, seed=spec.seed,
+                                   **spec.engine_kwargs)
         outbox.put(GeneratorReady(spec.generator_id, backend.name, time.perf_counter() - t0, where))
         serve = serve_stream if spec.streaming else serve_batches
         return serve(spec, backend, inbox, outbox, parent_process())

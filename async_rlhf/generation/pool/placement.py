@@ -82,8 +82,8 @@ def check_shm_space(args: AsyncRLConfig, model_path: str | None) -> None:
 def engine_kwargs(args: AsyncRLConfig, policy: torch.nn.Module | str, backend: str | None = None) -> dict:
     """`policy`: the learner's policy, or its dtype's name ('float32'); `backend`: default `args.generator_backend`."""
     dtype = policy if isinstance(policy, str) else str(next(policy.parameters()).dtype).replace("torch.", "")
-    if (backend or args.generator_backend) != "vllm":
-        return {"dtype": dtype}
+    if (backend or args.generator_backend) != "vllm":  # and what an optional setting adds (`config/experimental.py`)
+        return {"dtype": dtype, **args.generator_engine_options()}
     return {"dtype": dtype, "max_model_len": args.vllm_max_model_len or args.max_length,
             "gpu_memory_utilization": args.vllm_gpu_memory_utilization, "enforce_eager": args.vllm_enforce_eager,
             "tensor_parallel_size": args.vllm_tensor_parallel_size,

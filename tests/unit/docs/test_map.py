@@ -120,6 +120,8 @@ EXPERIMENTAL_SYMBOLS = {
     "PartialBatches", "ArrivalOrderBatches", "ElasticGenerators", "reference_parts", "prefixes", "origins",
     "ref_logprobs", "add_generator", "retire_generator", "advance_retiring", "ElasticGeneratorPool",
     "speculative", "num_speculative_tokens", "resolve_speculative", "HistoryProposer",
+    "continuous_batching", "continuous_batching_config", "ContinuousBatchingBackend", "ContinuousBatchingEngine",
+    "CONTINUOUS_BATCHING_FORCED",
 }
 CORE = ["pipeline", "generation", "trainers", "types.py", "config/base.py"]
 # Names of earlier versions' files, which the core reads into today's fields (checkpoints outlive the code): the

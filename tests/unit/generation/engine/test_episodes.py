@@ -121,6 +121,22 @@ def test_episodes_are_token_in_token_out_with_masks_log_probs_and_rewards():
     assert backend.prompts[0] == first and backend.prompts[6] == first + backend.ids + answer
 
 
+def test_weights_loaded_between_turns_are_recorded_per_token():
+    """`between_turns` (the serve loop's in-flight loads) runs before each turn after the first; an episode whose turns
+    were sampled by several versions records each version from its turn's first sampled token; one version: none."""
+    backend = SameTurn("wait", {"seconds": 0.0})
+    loaded = iter([7, 8])  # after turn 1: version 7 loaded; after turn 2: 8
+    turns = TurnTokens(tokenizer())
+    answer = turns.tool_suffix([{"role": "tool", "name": "wait", "content": "done"}])
+    _, groups = runner(SlowEnv, backend).run(request(1, n=2), 6, between_turns=lambda: next(loaded))
+    turn = len(backend.ids) + len(answer)  # one sampled turn and its answer
+    for c in groups[0]:
+        assert c.version_starts == [[6, 0], [7, turn], [8, 2 * turn]]
+        assert Completion.from_dict(dataclasses.asdict(c)) == c
+    _, groups = runner(SlowEnv, backend).run(request(1, n=2), 6, between_turns=lambda: 6)  # nothing new arrived
+    assert all(c.version_starts == [] for c in groups[0])
+
+
 def test_a_slow_tool_call_answers_a_timeout_holds_only_its_own_answer_and_its_environment_is_not_reused():
     backend = SameTurn("wait", {"seconds": 3.0})
     r = runner(SlowEnv, backend, tool_timeout=0.3, max_tool_calling_iterations=1)
