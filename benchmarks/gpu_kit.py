@@ -19,6 +19,9 @@ runs out of time is recorded with the end of its output, and the kit goes on wit
   continuous_batching  `benchmarks/cb_generation.py`: static batches of 64 against transformers' continuous batching
                 on 128 long-tail requests (lengths log-normal, capped at 256) with a ~200M bf16 random policy:
                 seconds, useful tokens/s, when half and 90% of the samples were ready (issue 45's first question)
+  cb_backend    `benchmarks/continuous_batching.py`: our continuous-batching generator backend
+                (experimental/continuous_batching) against our static one on 64 long-tail prompts x 2 (~216M bf16):
+                samples/s and the time to the first finished sample, as ratios
   learner_step  `benchmarks/learner_step.py --device cuda --bf16` on the SFT policy and on a 203M-parameter random
                 policy at 32 to 384 prompts a step (`LEARNER_SIZES`): padded vs length buckets vs shared prefixes,
                 to find the batch (padded tokens) from which the ways that save tokens pay. GPU learners run padded
@@ -57,9 +60,12 @@ CARRY_LIMIT = 64 * 2**20  # bytes a device call may carry (the tree included)
 # dependencies the image already has (huggingface-hub 1.33, tokenizers 0.23.2, pyarrow, pandas, xxhash, fsspec)
 WHEELS = ("transformers==5.19.0", "trl==1.16.0", "datasets==5.2.0", "dill==0.4.1", "multiprocess==0.70.19")
 # part -> seconds on the GPU (of a 480 s budget); vs_trl takes what is left
-PARTS = {"env": 15, "pytest_gpu": 130, "continuous_batching": 80, "learner_step": 45, "colocated": 95, "vs_trl": 115}
+PARTS = {"env": 15, "pytest_gpu": 130, "continuous_batching": 80, "cb_backend": 60, "learner_step": 45,
+         "colocated": 95, "vs_trl": 115}
 # the continuous-batching question (benchmarks/cb_generation.py): a ~200M bf16 policy, 128 long-tail requests
 CB_SIZES = dict(hidden_size=1024, layers=8, requests=128, batch=64, max_new_tokens=256)
+# our continuous-batching generator backend against our static one (`benchmarks/continuous_batching.py`): ~216M bf16
+CB_BACKEND_SIZES = dict(hidden_size=1024, layers=12, prompts=64, n=2, max_new_tokens=256, batch=64, repeats=1)
 # (hidden size, layers, prompts a step) timed; (0, 0, ...) is the SFT policy itself. 32 prompts x 2 rows of the
 # built-in task are about 2,560 padded tokens, 128 about 10,500, 384 about 34,500.
 LEARNER_SIZES = [(0, 0, 32), (1024, 12, 32), (1024, 12, 128), (1024, 12, 384)]
@@ -262,6 +268,17 @@ def part_continuous_batching(kit: Kit, timeout: float) -> dict:
         return json.load(f)
 
 
+def part_cb_backend(kit: Kit, timeout: float) -> dict:
+    path = os.path.join(kit.out, "cb_backend.json")
+    sizes = (dict(hidden_size=64, layers=2, prompts=4, n=2, max_new_tokens=16, batch=4, repeats=1)
+             if kit.args.dry_run else CB_BACKEND_SIZES)
+    cmd = [sys.executable, "benchmarks/continuous_batching.py", "--device", kit.args.device, "--json", path]
+    cmd += [f"--{k}={v}" for k, v in sizes.items()] + (["--dtype", "bfloat16"] if kit.args.device == "cuda" else [])
+    kit.sh("cb_backend", cmd, timeout)
+    with open(path) as f:
+        return json.load(f)
+
+
 def part_learner_step(kit: Kit, timeout: float) -> dict:
     dry = kit.args.dry_run
     sizes = [(0, 0, 4), (128, 2, 4)] if dry else LEARNER_SIZES
@@ -441,6 +458,17 @@ def markdown(results: dict) -> str:
                     f"{_num(r['seconds'])}, {_num(r['useful_tokens_per_s'], 0)}, {_num(r['half_ready_s'])} / "
                     f"{_num(r['p90_ready_s'])}")
             row(name, "continuous over static (wall)", f"{_num(p['continuous_over_static'])}x")
+        elif name == "cb_backend":
+            u = p["setup"]
+            row(name, "workload", f"hidden {u['hidden_size']} x {u['layers']} layers, {u['dtype']}, {u['prompts']} "
+                                  f"prompts x {u['n']}, budgets mean {_num(u['budgets_mean'])} / cap "
+                                  f"{u['max_new_tokens']}, static chunks of {u['batch']}")
+            for way in ("static", "continuous"):
+                r = p[way]
+                row(name, f"{way}: s, samples/s, s to the first finished sample",
+                    f"{_num(r['seconds'])}, {_num(r['samples_per_s'])}, {_num(r['first_sample_s'])}")
+            row(name, "continuous over static: samples/s, first sample", f"{_num(p['ratio']['samples_per_s'])}x, "
+                                                                         f"{_num(p['ratio']['first_sample_s'])}x")
         elif name == "learner_step":
             for r in p["sizes"]:
                 if "ms" not in r:
@@ -519,7 +547,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         signal.signal(sig, _on_signal)
     kit = Kit(args)
     fns = {"env": part_env, "pytest_gpu": part_pytest_gpu, "continuous_batching": part_continuous_batching,
-           "learner_step": part_learner_step,
+           "cb_backend": part_cb_backend, "learner_step": part_learner_step,
            "colocated": part_colocated, "vs_trl": part_vs_trl}
     for name in args.parts:
         kit.run(name, lambda timeout, fn=fns[name]: fn(kit, timeout))
