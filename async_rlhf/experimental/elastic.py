@@ -15,6 +15,9 @@ Devices: the pool of allowed devices is `generator_devices` (in use from the sta
 is appended to `<output_dir>/autoscale.jsonl` with what it was based on (`events` keeps them for the run summary).
 The pool's own guarantees (no request lost, newest weights before any request, staleness bound) are what make a
 change safe at any step; this module only chooses when.
+
+Experimental because it has not paid where measured: 0.69x and 0.85x of one fixed generator on 2 CPU cores (a
+second CPU engine slows the first); no GPU measurement (docs/performance.md, Verdicts).
 """
 
 from __future__ import annotations

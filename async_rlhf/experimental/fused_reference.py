@@ -15,6 +15,9 @@ When the learner computes the reference itself instead (the trainer decides, `tr
 this thread while the step trains the same modules on the main thread is unsafe, and a second copy of the base is
 what LoRA avoids), with `reference_while_generating=False` (the default), and for any row whose values are missing
 (a non-finite value here is left out, so the step's own forward produces it).
+
+Experimental because it has not paid where measured: paired 50 steps on 2 CPU cores, loop 1.02x, within the
+load's spread; no GPU measurement (docs/performance.md, Verdicts).
 """
 
 from __future__ import annotations

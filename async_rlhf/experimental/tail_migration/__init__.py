@@ -11,6 +11,9 @@ Whole here, reached from the core only through its declared extension points:
 - `engine.py`: `HandoffEngine`, the `StreamEngine` a generator serves with (`GeneratorSpec.stream_engine`), which
   notes every step's tokens so that a request can be handed over mid-sample and continued elsewhere.
 Which runs get it: `experimental/schedules.py`; options that cannot go with it are refused by `config/checks.py`.
+
+Experimental because it has not paid where measured: 0.99x-1.11x of streaming on 2 CPU cores, the 1.11x not
+repeated; no GPU measurement (it needs vLLM; docs/performance.md, Verdicts).
 """
 
 from async_rlhf.experimental.tail_migration.engine import HandoffEngine, joined
