@@ -319,6 +319,8 @@ class AsyncTrainerBase(Trainer):
         skipped, `after_optimizer_step` after each), at the step's learning rate; the weights published afterwards
         are those after the last pass. Every rank runs the same passes (DDP averages each backward's gradients)."""
         kept, self._kept_passes = self._kept_passes, []
+        if not kept or self.nonfinite.skipped_last:  # one pass, or the first pass's step was skipped (non-finite):
+            return  # the batch is not trained further (a skipped step counts once, not once a pass)
         model = self.model_wrapped if self.model_wrapped is not None else self.model
         for _ in range(self.passes - 1):
             for groups, memo in kept:
