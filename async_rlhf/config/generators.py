@@ -41,10 +41,10 @@ class GeneratorFields:
                   "samples already started finish on the old weights first, so every sample has one version) or "
                   "'in_flight' (load at once; running samples continue on the new weights, every token keeps the "
                   "version and behaviour log-prob it was sampled with, and the staleness bound applies to the "
-                  "oldest token). Multi-turn episodes (tools, environments) on batch-level generators: 'in_flight' loads "
-                  "the updates that arrive while a request's episodes run between two of their turns (later turns "
-                  "sample with the new weights; `version_starts` records each turn's version), 'drain' only "
-                  "between requests."},
+                  "oldest token). Multi-turn episodes (tools, environments) on batch-level generators: "
+                  "'in_flight' loads the updates that arrive while a request's episodes run between two of their "
+                  "turns (later turns sample with the new weights; `version_starts` records each turn's version), "
+                  "'drain' only between requests."},
     )
     generator_assignment: str = field(
         default="tokens",

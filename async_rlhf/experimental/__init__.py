@@ -6,6 +6,7 @@ the default: how a step's batch is formed (`pipeline/batch_forming.py`: `partial
 for `train_while_generating`), how generators are scheduled (`generation/pool/scheduling.py` and the local pool's
 membership hooks: `tail_migration/`, `elastic.py` and `elastic_pool.py` with `autoscale_rule.py` for
 `generator_autoscale`), the streaming engine's extension points (`generation/engine/stream_engine.py`:
-`tail_migration/engine.py`, and `continuous_batching/`, whose engine also builds its own backend), stages of rank 0's scoring thread (`fused_reference.py`, `reference_while_generating`)
-and what is decided before the generators start (`speculative/`, `speculative="auto"`). Which a run gets:
-`schedules.py`. What each measured, and why it stays here, is in docs/performance.md."""
+`tail_migration/engine.py`, and `continuous_batching/`, whose engine also builds its own backend), stages of rank 0's
+scoring thread (`fused_reference.py`, `reference_while_generating`) and what is decided before the generators start
+(`speculative/`, `speculative="auto"`). Which a run gets: `schedules.py`. What each measured, and why it stays here,
+is in docs/performance.md."""

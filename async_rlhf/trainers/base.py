@@ -73,8 +73,8 @@ class AsyncTrainerBase(Trainer):
             not isinstance(model, str) and peft_policy.is_peft_policy(model)))
         self.passes = getattr(args, "num_iterations", 1)  # optimizer passes per batch (policy-gradient configs)
         if self.passes > 1 and deepspeed:
-            raise ConfigError(f"num_iterations: {self.passes} passes per batch are not built under DeepSpeed (its engine "
-                              "steps inside backward); use 1, or DDP")
+            raise ConfigError(f"num_iterations: {self.passes} passes per batch are not built under DeepSpeed (its "
+                              "engine steps inside backward); use 1, or DDP")
         if args.score_while_generating is None:  # auto (config/scoring.py)
             args.score_while_generating = not deepspeed
         check_prompt_dataset(train_dataset)

@@ -2,8 +2,8 @@
 
 The Trainer's dataloader yields one ticket per micro-batch (`StepTickets`; the data comes from the pipeline), and
 `PipelineHooks` runs after every optimizer step: the algorithm's own hook, the batch's further passes
-(`num_iterations`), the weight sync to the generators, the
-stop check after SIGTERM / SIGINT; it also writes each log line to `metrics.jsonl` on rank 0.
+(`num_iterations`), the weight sync to the generators, the stop check after SIGTERM / SIGINT; it also writes each log
+line to `metrics.jsonl` on rank 0.
 """
 
 from __future__ import annotations

@@ -87,8 +87,8 @@ class MultiTurn:
         if args.streaming:
             raise ConfigError(f"tools / environment_factory: episodes run on batch-level serving; "
                               f"generation_mode={args.generation_mode!r} (with generator_backend="
-                              f"{args.generator_backend!r}) streams. Set generation_mode='batch', and turn off any option that "
-                              "needs streaming generators (the config's check names them)")
+                              f"{args.generator_backend!r}) streams. Set generation_mode='batch', and turn off any "
+                              "option that needs streaming generators (the config's check names them)")
 
     @property
     def active(self) -> bool:

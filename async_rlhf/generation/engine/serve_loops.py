@@ -15,8 +15,9 @@ parent died (checked every second while idle); an exception leaves them for `wor
   `load_weights`). A weight update at the head of the inbox is loaded according to `weight_load`: "drain" waits
   until every sample already started has finished (they keep one version each; requests queued behind the update
   wait too), "in_flight" loads at once between two engine steps (running samples continue on the new weights,
-  recomputed over their context; each token keeps its own version and behaviour log-prob). A message of any other kind goes to the engine's `handle` (an extension's own
-  messages, `stream_engine.py`), and what it answers goes to the outbox.
+  recomputed over their context; each token keeps its own version and behaviour log-prob). A message of any other
+  kind goes to the engine's `handle` (an extension's own messages, `stream_engine.py`), and what it answers goes to
+  the outbox.
 A `WeightGroupJoin` (the "network" weight transport) joins learner rank 0's weight group; the learner queues it
 first, ahead of any update.
 """
