@@ -84,6 +84,7 @@ class SlowGuessEnv(g.GuessEnv):
         return super().guess(n)
 
 
+@pytest.mark.slow  # the default tier checks the loads themselves: integration/test_episode_weight_loads.py
 def test_weights_loaded_between_turns_keep_every_token_within_the_bound(guess_policy, tmp_path):
     """weight_load='in_flight': the learner's updates load between turns of the episodes being played; every sample's
     oldest and newest token versions stay within the bound (the records), and the run counts the episodes whose
