@@ -38,6 +38,19 @@ def _collect_unused_generators():
         gc.collect()
 
 
+@pytest.fixture(scope="module")
+def forked_generators():
+    """For a module whose subject is not how a generator process starts: generators forked from the warm server, as
+    the recipes start them (`generation/pool/prewarm.py`), which spares each one its imports (about 4 s on 2 cores).
+    Ended with the module, so the other modules spawn theirs, as a trainer built in a user's script does."""
+    from async_rlhf.generation.pool import prewarm
+
+    started = not prewarm.warm() and prewarm.prewarm_generators()
+    yield
+    if started:
+        prewarm.stop_prewarm()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A tiny random Llama with the char tokenizer, saved once per test session."""

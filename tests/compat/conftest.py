@@ -92,3 +92,8 @@ def _zen_prompts(config_name: str) -> Dataset:
     if config_name == "conversational_prompt_only":
         return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"What comes after '{z}'?"}] for z in ZEN]})
     raise ValueError(config_name)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _generators_forked(forked_generators):
+    """Our trainers' generators start as the recipes start them (tests/conftest.py::forked_generators)."""

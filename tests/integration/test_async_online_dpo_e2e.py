@@ -17,6 +17,8 @@ import pytest
 from run_records import RunsOnDemand, check_staleness_records
 from session_run import ROOT, run_in_own_session
 
+pytestmark = pytest.mark.usefixtures("forked_generators")  # generators start as the recipes start them
+
 STEPS = 14
 
 

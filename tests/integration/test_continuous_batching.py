@@ -36,6 +36,8 @@ from async_rlhf.generation.pool.local import GeneratorPool
 from async_rlhf.types import Completion, GenerationRequest, SamplingSettings, WeightUpdate
 from async_rlhf.weight_sync import ShmWeightTransport
 
+pytestmark = pytest.mark.usefixtures("forked_generators")  # generators start as the recipes start them
+
 EOS = char_tokenizer().eos_token_id
 PROMPTS = [[2, 40, 41, 42], [2, 50], [2, 60, 61, 62, 63, 64, 65]]
 ATOL = 1e-4  # float32 on both sides; measured differences are below 1e-6

@@ -7,10 +7,14 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
+
 from async_rlhf import AsyncOnlineDPOTrainer
 from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
 from async_rlhf.tasks.setup import add_periodic_evaluation
 from async_rlhf.trainers.run_summary import format_summary
+
+pytestmark = pytest.mark.usefixtures("forked_generators")  # generators start as the recipes start them
 
 EVAL_SECONDS = 1.5  # each evaluation's work: far longer than a tiny step, so an evaluation left on the clock shows
 

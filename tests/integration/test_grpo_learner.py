@@ -17,6 +17,8 @@ from async_rlhf.learner.logprobs import completion_batch, token_logps
 from async_rlhf.scoring.rewards import score_rows
 from async_rlhf.types import Completion, RolloutBatch
 
+pytestmark = pytest.mark.usefixtures("forked_generators")  # generators start as the recipes start them
+
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "datasets", "gsm8k.jsonl")
 STEPS = 4
 

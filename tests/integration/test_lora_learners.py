@@ -28,6 +28,8 @@ from async_rlhf import AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer, AsyncRLOOCon
 from async_rlhf.data.toy_task import lowercase_reward, toy_prompts  # noqa: E402
 from async_rlhf.weight_sync import ShmWeightTransport, gather_full_state  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("forked_generators")  # generators start as the recipes start them
+
 ALGORITHMS = {"online_dpo": (AsyncOnlineDPOTrainer, AsyncOnlineDPOConfig, "off_policy/chosen_log_ratio_abs_max"),
               "rloo": (AsyncRLOOTrainer, AsyncRLOOConfig, "off_policy/log_ratio_abs_max")}
 PROMPTS = torch.tensor([[5, 17, 30, 44, 9, 12, 70, 3], [8, 8, 21, 60, 33, 2, 14, 40]])  # fixed token ids

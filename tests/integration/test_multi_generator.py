@@ -9,6 +9,8 @@ from run_records import check_staleness_records
 from async_rlhf import AsyncOnlineDPOConfig, AsyncOnlineDPOTrainer
 from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
 
+pytestmark = pytest.mark.usefixtures("forked_generators")  # generators start as the recipes start them
+
 
 @pytest.mark.parametrize("staleness,backend", [pytest.param(0, "transformers", marks=pytest.mark.slow), (1, "vllm"),
                                                pytest.param(1, "transformers", marks=pytest.mark.slow)])

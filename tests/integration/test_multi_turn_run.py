@@ -21,6 +21,8 @@ from transformers import TrainerCallback
 
 from async_rlhf.data import guess_task as g
 
+pytestmark = pytest.mark.usefixtures("forked_generators")  # generators start as the recipes start them
+
 FIELDS = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=160, learning_rate=1e-4,
               max_tool_calling_iterations=5, report_to="none", logging_steps=1, bf16=False, seed=3, beta=0.0,
               disable_tqdm=True, generator_start_timeout=120, rollout_timeout=300, generator_backend="transformers")

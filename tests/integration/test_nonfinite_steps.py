@@ -15,6 +15,8 @@ from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
 from async_rlhf.learner.checkpointing import latest_complete_checkpoint
 from async_rlhf.learner.nonfinite import NonFiniteSteps
 
+pytestmark = pytest.mark.usefixtures("forked_generators")  # generators start as the recipes start them
+
 
 class NaNLossTrainer(AsyncOnlineDPOTrainer):
     """Online DPO whose loss is multiplied by NaN on the steps in `nan_steps` (the algorithm hook, nothing else)."""

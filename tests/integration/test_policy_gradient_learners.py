@@ -20,6 +20,8 @@ from async_rlhf import (
 )
 from async_rlhf.data.toy_task import lowercase_reward, toy_prompts
 
+pytestmark = pytest.mark.usefixtures("forked_generators")  # generators start as the recipes start them
+
 STEPS = 5
 LEARNERS = {
     "rloo": (AsyncRLOOTrainer, AsyncRLOOConfig, {"off_policy_correction": "tis", "per_device_train_batch_size": 8}),

@@ -22,6 +22,8 @@ from async_rlhf.errors import CheckpointError
 from async_rlhf.learner.checkpointing import COMPLETE_MARKER, latest_complete_checkpoint
 from async_rlhf.pipeline.prompt_stream import PromptStream
 
+pytestmark = pytest.mark.usefixtures("forked_generators")  # generators start as the recipes start them
+
 STEPS = 40
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

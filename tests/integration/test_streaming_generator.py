@@ -26,6 +26,8 @@ from async_rlhf.generation.pool.local import GeneratorPool
 from async_rlhf.types import GenerationRequest, SamplingSettings
 from async_rlhf.weight_sync import ShmWeightTransport
 
+pytestmark = pytest.mark.usefixtures("forked_generators")  # generators start as the recipes start them
+
 PROMPT = [2, 40, 41, 42]
 LONG = SamplingSettings(max_new_tokens=200, temperature=1.0, n=1, seed=1)  # seed 1: no EOS within 200 under v0
 ATOL = 1e-4  # float32 on both sides

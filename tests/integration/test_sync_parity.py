@@ -47,6 +47,8 @@ from async_rlhf.losses.rloo import kl_shaped_rewards, rloo_advantages, rloo_loss
 from async_rlhf.trainers.online_dpo import select_pairs
 from async_rlhf.trainers.ppo import build_critic, token_values
 
+pytestmark = pytest.mark.usefixtures("forked_generators")  # the learner's arithmetic is the subject here
+
 STEPS = 3
 # The policy steps with plain SGD and no gradient clipping: a parameter's change is then linear in its gradient, so
 # float noise stays float noise (Adam's first steps, lr * g / (|g| + eps), turn rounding in a near-zero gradient into

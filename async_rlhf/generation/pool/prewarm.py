@@ -65,6 +65,22 @@ def prewarm_generators() -> bool:
     return True
 
 
+def stop_prewarm() -> None:
+    """End the fork server (if this process started one): generators started from now on are spawned again, and a
+    later `prewarm_generators()` starts a new server. Generators already forked keep running."""
+    global _warm
+    if not _warm:
+        return
+    server = multiprocessing.forkserver._forkserver
+    if server._forkserver_pid is not None:
+        try:  # ended at once (it waits on no child), so that the reaping below cannot wait
+            os.kill(server._forkserver_pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        server._stop()  # closes its pipe, reaps it and forgets it (CPython's own tests stop it so)
+    _warm = False
+
+
 def _stop_server(timeout: float = 5.0) -> None:
     """At the learner's exit: end the fork server now (it would wait for its last child to close the learner's end of
     its pipe, up to the seconds a generator takes to leave; the kernel's death signal then ends any such child)."""

@@ -1,5 +1,6 @@
 """A generator process forked from the warm server (`generation/pool/prewarm.py`) gets the learner's environment
-as it is when the process starts, less `NOT_INHERITED`, and the learner's main script is not imported again."""
+as it is when the process starts, less `NOT_INHERITED`, and the learner's main script is not imported again; a
+stopped server (`stop_prewarm`) leaves generators spawned, and a new one can start."""
 
 import ast
 import subprocess
@@ -25,6 +26,13 @@ SCRIPT = textwrap.dedent('''
         p.start()
         p.join(120)
         assert p.exitcode == 0, p.exitcode
+
+        from async_rlhf.generation.pool.prewarm import stop_prewarm
+
+        stop_prewarm()  # generators are spawned again; a new server can start
+        assert not warm() and not ProcessLauncher()._forked
+        assert prewarm_generators() and warm() and ProcessLauncher()._forked
+        print("server started again", flush=True)
 ''')
 
 
@@ -39,3 +47,4 @@ def test_a_forked_generator_gets_the_learners_environment_at_start(tmp_path):
     environ = ast.literal_eval(printed[len("{'spec': 1} None None "):])
     assert environ["PROBE_SET_AFTER_PREWARM"] == "yes"
     assert "WANDB_MODE" not in environ
+    assert "server started again" in lines
