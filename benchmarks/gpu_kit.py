@@ -12,9 +12,28 @@ does not hold) and the built-in task's prepared models (so the machine does not 
 says how much it is against the 64 MiB a call may carry. `scripts/gpu_check.sh` installs the wheels there and runs
 this script.
 
-Parts, in order, each a child process with a time box (`PARTS`: seconds, scaled by `--budget`); a part that fails or
-runs out of time is recorded with the end of its output, and the kit goes on with the next:
-  env           the device, library versions, the machine's load
+Parts, each a child process with a time box (`PARTS`: seconds of a 480 s call, scaled by `--budget` over the parts
+selected; the last part run takes what is left); a part that fails or runs out of time is recorded with the end of
+its output, and the kit goes on with the next. The GPU call runs `GPU_PARTS`, the long-tail workload (issue 45 item
+3), and nothing else: its two parts need about 470 s, so the parts measured on the earlier loans (pytest_gpu,
+continuous_batching, learner_step, colocated, vs_trl; docs/performance.md has their figures) and cb_backend (whose
+question the streaming row of `mechanisms` now answers in a training loop) are dropped from it; `--parts` runs any of
+them (a second call, if the loan has time left), and `--dry_run` runs every part.
+  env           10 s: the device, library versions, the machine's load
+  mechanisms    270 s: `benchmarks/mechanisms.py mechanisms`: GRPO on the long-tail task's prompts with its gold
+                reward, a ~101M-parameter policy (hidden 1024, 6 layers) trained on the device from the task's
+                demonstrations (300 SFT steps: it must write summaries whose length follows the post, or there is no
+                tail), 32 prompts x 2 a step, up to 256 new tokens, 16 steps, bf16, ours on the continuous-batching
+                generator backend colocated on cuda:0; the default run, then one run per optional mechanism the
+                backend takes (streaming against static batches, train-while-generating, fused reference, shared
+                prefixes, in-flight weight loads; autoscaling, partial rollouts, tail migration, speculative rollouts,
+                length-aware assignment and the reward's shared prefix are recorded as skipped, with the config's
+                or the record's reason): clock, samples/s and the final gold reward against the default
+  vs_trl_cb     200 s (what is left): `benchmarks/mechanisms.py vs_trl --seeds 0 1 2`: TRL 1.16's GRPOTrainer with
+                `use_transformers_continuous_batching=True` against ours on the same workload and prompts, seeds as
+                time allows (seed 0's ours is mechanisms' default run): clocks, seconds to the same gold reward (on
+                the clock and from process start), and (c) both trainers' start-up timelines (process start, trainer
+                built, generator ready, first optimizer step) from the runs' own records
   pytest_gpu    `pytest -m gpu tests/gpu` (the colocated run, CUDA IPC weights; the NCCL test needs 2 GPUs)
   continuous_batching  `benchmarks/cb_generation.py`: static batches of 64 against transformers' continuous batching
                 on 128 long-tail requests (lengths log-normal, capped at 256) with a ~200M bf16 random policy:
@@ -31,12 +50,17 @@ runs out of time is recorded with the end of its output, and the kit goes on wit
                 transformers generator colocated on cuda:0 (weights as CUDA IPC handles), at max_staleness 0
                 (synchronous) and 1 (asynchronous): sync seconds per GB, the generator's tokens per second, async
                 against synchronous wall-clock, and the planner's prediction for that run next to the measurement
-  vs_trl        `benchmarks/vs_trl.py --device cuda` over three seeds, with whatever time is left
+  vs_trl        `benchmarks/vs_trl.py --device cuda` over three seeds (online DPO, the built-in task)
+The long-tail sizes are set without a GPU measurement of them: a run's start (imports, trainer, generator) on the
+H100 took about 25 s before, so the 270 s box may not hold every mechanism's run and three seeds may not fit 200 s;
+what did not fit is recorded as "not run", and the first GPU call says what to shrink.
 `--output_dir` gets three files (a device call returns at most 8): `gpu_kit.json` (rewritten after every part, so a
 call cut short still returns what was done), `gpu_kit.md` (the table docs/performance.md's "GPU evidence kit"
 section takes, device named) and `logs.tar.gz` (every part's log and each run's own); the rest (models, run
 folders) stays in `--work_dir`. `--dry_run` runs every part at tiny sizes (CPU: shm weights instead of CUDA IPC, the toy
-model, two steps), which is what `tests/integration/test_gpu_kit.py` runs (slow tier) so the kit cannot rot.
+model, two steps; the long-tail parts with `benchmarks/mechanisms.py --tiny`: a 0.25M policy of 20 SFT steps, 4
+prompts x 2, up to 24 tokens), which is what `tests/integration/test_gpu_kit.py` runs (slow tier) so the kit cannot
+rot.
 """
 
 from __future__ import annotations
@@ -59,9 +83,13 @@ CARRY_LIMIT = 64 * 2**20  # bytes a device call may carry (the tree included)
 # what the machine's image lacks (or holds at another version) and this kit imports: our pins, none of their
 # dependencies the image already has (huggingface-hub 1.33, tokenizers 0.23.2, pyarrow, pandas, xxhash, fsspec)
 WHEELS = ("transformers==5.19.0", "trl==1.16.0", "datasets==5.2.0", "dill==0.4.1", "multiprocess==0.70.19")
-# part -> seconds on the GPU (of a 480 s budget); vs_trl takes what is left
-PARTS = {"env": 15, "pytest_gpu": 130, "continuous_batching": 80, "cb_backend": 60, "learner_step": 45,
-         "colocated": 95, "vs_trl": 115}
+# part -> seconds of its time box in a call of the default 480 s budget (scaled over the parts selected; the last
+# part run takes whatever is left)
+PARTS = {"env": 10, "mechanisms": 270, "vs_trl_cb": 200, "pytest_gpu": 130, "continuous_batching": 80,
+         "cb_backend": 60, "learner_step": 45, "colocated": 95, "vs_trl": 115}
+# the GPU call's parts (`--parts` default without --dry_run): the long-tail workload. The others were measured on the
+# earlier loans (docs/performance.md) and no longer fit beside it; `--parts` runs them.
+GPU_PARTS = ("env", "mechanisms", "vs_trl_cb")
 # the continuous-batching question (benchmarks/cb_generation.py): a ~200M bf16 policy, 128 long-tail requests
 CB_SIZES = dict(hidden_size=1024, layers=8, requests=128, batch=64, max_new_tokens=256)
 # our continuous-batching generator backend against our static one (`benchmarks/continuous_batching.py`): ~216M bf16
@@ -132,8 +160,8 @@ class Kit:
         self.out = os.path.abspath(args.work_dir or tempfile.mkdtemp(prefix="gpu_kit-"))
         os.makedirs(self.out, exist_ok=True)
         self.t0 = time.monotonic()
-        self.results: dict = {"settings": {"device": args.device, "dry_run": args.dry_run, "budget": args.budget},
-                              "parts": {}}
+        self.results: dict = {"settings": {"device": args.device, "dry_run": args.dry_run, "budget": args.budget,
+                                           "parts": list(args.parts)}, "parts": {}}
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
         env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         cache = glob.glob(os.path.join(KIT_DIR, "cache", "builtin-v*"))
@@ -145,9 +173,9 @@ class Kit:
         return self.args.budget - (time.monotonic() - self.t0)
 
     def box(self, name: str) -> float:
-        """A part's time box: its share of the budget, never past what is left (vs_trl: all that is left)."""
+        """A part's time box: its share of the budget, never past what is left (the last part: all that is left)."""
         share = PARTS[name] * self.args.budget / sum(PARTS[p] for p in self.args.parts)
-        return max(5.0, self.left() if name == "vs_trl" else min(share, self.left()))
+        return max(5.0, self.left() if name == self.args.parts[-1] else min(share, self.left()))
 
     def run(self, name: str, fn) -> None:
         t0 = time.monotonic()
@@ -422,6 +450,37 @@ def part_vs_trl(kit: Kit, timeout: float) -> dict:
     return result
 
 
+def _longtail(kit: Kit, name: str, what: list[str], timeout: float) -> dict:
+    """`benchmarks/mechanisms.py` (`what`: its command and flags) in `<work_dir>/longtail`, which both long-tail
+    parts share (the policy, the default run); its own budget ends it before the box does. Whatever it finished
+    counts: its JSON is rewritten after every run."""
+    out = os.path.join(kit.out, "longtail")
+    cmd = [sys.executable, "benchmarks/mechanisms.py", *what, "--device", kit.args.device, "--output_dir", out,
+           "--budget", str(int(max(10.0, timeout - 20.0)))] + (["--tiny"] if kit.args.dry_run else [])
+    error = None
+    try:
+        kit.sh(name, cmd, timeout)
+    except (subprocess.TimeoutExpired, RuntimeError) as exc:
+        error = f"{type(exc).__name__}: {str(exc)[-TAIL:]}"
+    path = os.path.join(out, f"{what[0]}.json")
+    if not os.path.isfile(path):
+        raise RuntimeError(error or f"{path} was not written")
+    with open(path) as f:
+        result = json.load(f)
+    if error:
+        result["incomplete"] = error
+    return result
+
+
+def part_mechanisms(kit: Kit, timeout: float) -> dict:
+    return _longtail(kit, "mechanisms", ["mechanisms"], timeout)
+
+
+def part_vs_trl_cb(kit: Kit, timeout: float) -> dict:
+    return _longtail(kit, "vs_trl_cb", ["vs_trl", "--seeds", *(["0"] if kit.args.dry_run else ["0", "1", "2"])],
+                     timeout)
+
+
 # ---- the report --------------------------------------------------------------------------------------------------
 def markdown(results: dict) -> str:
     """The table docs/performance.md's GPU section takes: one row per figure, the device named."""
@@ -436,7 +495,7 @@ def markdown(results: dict) -> str:
     def row(part, figure, value):
         rows.append(f"| {part} | {figure} | {value} |")
 
-    for name in PARTS:
+    for name in [n for n in PARTS if n in s.get("parts", PARTS)]:  # the parts this call was to run
         p = parts.get(name)
         if p is None:
             row(name, "status", "not run")
@@ -495,6 +554,10 @@ def markdown(results: dict) -> str:
                       "from the run's stage times / measured",
                 f"{_num(pl.get('predicted_step_seconds'), 3)} / {_num(p['feedback_step_seconds'], 3)} / "
                 f"{_num(p['measured_step_seconds'], 3)}")
+        elif name == "mechanisms":
+            _mechanism_rows(p, row)
+        elif name == "vs_trl_cb":
+            _vs_trl_cb_rows(p, row)
         elif name == "vs_trl":
             if "clock_ratio" in p:
                 row(name, f"clock s, TRL / ours (mean of seeds {p['seeds']})",
@@ -508,6 +571,65 @@ def markdown(results: dict) -> str:
             if p.get("incomplete"):
                 row(name, "incomplete", _cell(p["incomplete"]))
     return head + "\n\n" + "\n".join(rows) + "\n"
+
+
+def _mechanism_rows(p: dict, row) -> None:
+    name = "mechanisms"
+    pol, w = p.get("policy") or {}, p.get("workload") or {}
+    if pol:
+        row(name, "workload", f"long-tail task, GRPO, {w.get('prompts')} prompts x 2 a step, {w.get('steps')} steps, "
+                              f"up to {w.get('max_new_tokens')} new tokens; policy {pol['parameters'] / 1e6:.1f}M "
+                              f"(hidden {w.get('hidden_size')} x {w.get('layers')} layers) trained here "
+                              f"{w.get('sft_steps')} SFT steps in {_num(pol.get('sft_seconds'), 1)} s, gold reward "
+                              f"{_num(pol['start'].get('gold_reward'), 3)} before RL; ours on the continuous-batching "
+                              "backend")
+    d = p.get("default") or {}
+    if d.get("status") == "ok":
+        lengths = d.get("lengths") or {}
+        row(name, "default: clock s, samples/s (loop), lengths mean / p90 / longest, final gold reward / win-rate",
+            f"{_num(d.get('clock_seconds'))}, {_num(d.get('samples_per_s'))}, {_num(lengths.get('mean'), 1)} / "
+            f"{lengths.get('p90')} / {lengths.get('max')}, {_num(d['final'].get('gold_reward'), 3)} / "
+            f"{_num(d['final'].get('gold_win_rate'), 3)}")
+    elif d:
+        row(name, "default", f"{d.get('status')}: {_cell(d.get('error', ''))}")
+    for m in p.get("mechanisms") or []:
+        figure = f"{m['mechanism']} (`{m['option']}`)"
+        if m["status"] == "ok":
+            versus = "the default over static batches" if m["side"] == "off" else "against the default"
+            row(name, f"{figure}, {versus}: clock, samples/s, final gold reward (difference)",
+                f"{_num(m.get('clock_ratio'))}x, {_num(m.get('samples_per_s_ratio'))}x, "
+                f"{_num(m.get('gold_on'), 3)} vs {_num(m.get('gold_off'), 3)} ({_num(m.get('gold_difference'), 3)})")
+        elif m["status"] == "skipped":
+            row(name, figure, f"skipped: {_cell(m.get('reason'))}")
+        else:
+            row(name, figure, f"{m['status']}: {_cell((m.get('run') or {}).get('error', ''))}")
+    if p.get("incomplete"):
+        row(name, "incomplete", _cell(p["incomplete"]))
+
+
+def _vs_trl_cb_rows(p: dict, row) -> None:
+    name = "vs_trl_cb"
+    for r in p.get("runs") or []:
+        label = "TRL GRPOTrainer (continuous batching)" if r["trainer"] == "trl" else "ours"
+        if r.get("status") == "ok":
+            reused = " (the default run of mechanisms)" if r.get("reused") else ""
+            row(name, f"{label} seed {r['seed']}: clock s, final gold reward",
+                f"{_num(r.get('clock_seconds'))}, {_num(r['final'].get('gold_reward'), 3)}{reused}")
+        else:
+            row(name, f"{label} seed {r['seed']}", f"{r.get('status')}: {_cell(r.get('error', ''))}")
+    if p.get("clock"):
+        row(name, f"clock s, TRL / ours (mean of seeds {p['seeds']})",
+            f"{_num(p['clock']['trl'])} / {_num(p['clock']['ours'])} ({_num(p.get('clock_ratio'))}x)")
+        to, since = p["seconds_to_threshold"], p["seconds_to_threshold_from_process_start"]
+        row(name, f"s to gold reward {_num(p['threshold'], 3)} (from {_num(p['start'], 3)}; mean curve), TRL / ours: "
+                  "on the clock; from process start",
+            f"{_num(to['trl'])} / {_num(to['ours'])} ({_num(p.get('time_to_threshold_ratio'))}x); "
+            f"{_num(since['trl'])} / {_num(since['ours'])}")
+        for trainer, marks in p.get("startup", {}).items():
+            row(name, f"start-up, {trainer} (s since process start, mean of seeds)",
+                ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in marks.items()) or "-")
+    if p.get("incomplete"):
+        row(name, "incomplete", _cell(p["incomplete"]))
 
 
 def _num(x, digits: int = 2) -> str:
@@ -527,7 +649,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     p.add_argument("--budget", type=float, default=None,
                    help="seconds for all parts together (default 480 on a GPU: the loan's 15 minutes less the "
                         "machine's start and a rerun's margin; 1800 for a dry run on a shared CPU)")
-    p.add_argument("--parts", nargs="+", choices=list(PARTS), default=list(PARTS))
+    p.add_argument("--parts", nargs="+", choices=list(PARTS),
+                   help=f"parts to run, in this order (default: {' '.join(GPU_PARTS)}; with --dry_run every part)")
     p.add_argument("--prepare", action="store_true", help="build .gpu_kit/ (wheels, the built-in task) and stop")
     p.add_argument("--no_wheels", action="store_true", help="with --prepare: no wheels (the machine has them)")
     p.add_argument("--no_task", action="store_true", help="with --prepare: no built-in task (built on the machine)")
@@ -537,6 +660,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         return None
     if not args.output_dir:
         p.error("--output_dir is required (unless --prepare)")
+    if args.parts is None:
+        args.parts = list(PARTS) if args.dry_run else list(GPU_PARTS)
     if args.budget is None:
         args.budget = 1800.0 if args.dry_run else 480.0
     if args.budget <= 0:
@@ -548,7 +673,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     kit = Kit(args)
     fns = {"env": part_env, "pytest_gpu": part_pytest_gpu, "continuous_batching": part_continuous_batching,
            "cb_backend": part_cb_backend, "learner_step": part_learner_step,
-           "colocated": part_colocated, "vs_trl": part_vs_trl}
+           "colocated": part_colocated, "vs_trl": part_vs_trl, "mechanisms": part_mechanisms,
+           "vs_trl_cb": part_vs_trl_cb}
     for name in args.parts:
         kit.run(name, lambda timeout, fn=fns[name]: fn(kit, timeout))
     print(markdown(kit.results))

@@ -120,24 +120,31 @@ def run_ours(args, script, config) -> dict:
             "summary": {k: v for k, v in s.items() if isinstance(v, (int, float))}}
 
 
+def prompts_in_our_order(train_dataset, tokenizer, config, steps: int):
+    """The prompts our run trains, step by step, as one dataset TRL reads in order: `PromptStream` over the prompts
+    that fit (as our trainer keeps them: at most max_length - max_new_tokens tokens), `steps` steps of
+    `config.prompts_per_step`; only the `prompt` column."""
+    from async_rlhf.data.prompts import tokenize_prompts
+    from async_rlhf.pipeline.prompt_stream import PromptStream
+
+    _, kept_rows = tokenize_prompts(train_dataset, tokenizer, config.max_length - config.max_new_tokens)
+    stream = PromptStream(len(kept_rows), config.prompts_per_step, config.seed)
+    order = [kept_rows[i] for step in range(steps) for i in stream.prompts_for_step(step)]
+    return train_dataset.select(order).select_columns(["prompt"])
+
+
 def run_trl(args, script, config) -> dict:
     import torch
     from transformers import AutoTokenizer
     from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 
-    from async_rlhf.data.prompts import tokenize_prompts
-    from async_rlhf.pipeline.prompt_stream import PromptStream
     from async_rlhf.tasks.setup import setup_task
 
     threads = args.trl_threads or os.cpu_count() or 1  # synchronous: every stage may use every core
     torch.set_num_threads(threads)
     task = setup_task(script, config)
     tokenizer = AutoTokenizer.from_pretrained(task.model)
-    # the prompts our run trains, step by step: PromptStream over the prompts that fit (as our trainer keeps them)
-    _, kept_rows = tokenize_prompts(task.train_dataset, tokenizer, config.max_length - config.max_new_tokens)
-    stream = PromptStream(len(kept_rows), config.prompts_per_step, config.seed)
-    order = [kept_rows[i] for step in range(args.steps) for i in stream.prompts_for_step(step)]
-    dataset = task.train_dataset.select(order).select_columns(["prompt"])
+    dataset = prompts_in_our_order(task.train_dataset, tokenizer, config, args.steps)
     c = config
     trl_args = OnlineDPOConfig(
         output_dir=c.output_dir, max_steps=args.steps, per_device_train_batch_size=c.per_device_train_batch_size,
@@ -176,25 +183,27 @@ def child(args) -> None:
 
 
 # ---- parent: run both, compare ------------------------------------------------------------------------------------
-def seconds_to(curve: list[dict], threshold: float, start_win_rate: float) -> float | None:
-    """Seconds at which the win-rate curve first reaches `threshold`, linearly interpolated; None if it never does."""
+def seconds_to(curve: list[dict], threshold: float, start_win_rate: float, key: str = "gold_win_rate") -> float | None:
+    """Seconds at which the curve of `key` (the win-rate) first reaches `threshold`, linearly interpolated from
+    `start_win_rate` at 0 s; None if it never does."""
     if start_win_rate >= threshold:
         return 0.0
     prev_s, prev_w = 0.0, start_win_rate
     for point in curve:
-        s, w = point["seconds"], point["gold_win_rate"]
+        s, w = point["seconds"], point[key]
         if w >= threshold:
             return s if w == prev_w else prev_s + (s - prev_s) * (threshold - prev_w) / (w - prev_w)
         prev_s, prev_w = s, w
     return None
 
 
-def mean_curve(runs: list[dict]) -> list[dict]:
+def mean_curve(runs: list[dict], keys: tuple[str, ...] = ("gold_win_rate", "kl")) -> list[dict]:
+    """The runs' curves averaged at the steps all of them evaluated: step, seconds and `keys`."""
     steps = sorted(set.intersection(*[{p["step"] for p in r["curve"]} for r in runs]))
     out = []
     for step in steps:
         points = [next(p for p in r["curve"] if p["step"] == step) for r in runs]
-        out.append({k: sum(p[k] for p in points) / len(points) for k in ("step", "seconds", "gold_win_rate", "kl")})
+        out.append({k: sum(p[k] for p in points) / len(points) for k in ("step", "seconds", *keys)})
     return out
 
 

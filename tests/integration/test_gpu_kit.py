@@ -24,8 +24,22 @@ def test_gpu_kit_dry_run_runs_every_part_and_writes_its_report(tmp_path):
     assert sorted(os.listdir(out)) == ["gpu_kit.json", "gpu_kit.md", "logs.tar.gz"]  # a device call returns <= 8
     results = json.loads((out / "gpu_kit.json").read_text())
     parts = results["parts"]
-    assert list(parts) == ["env", "pytest_gpu", "continuous_batching", "learner_step", "colocated", "vs_trl"]
+    assert list(parts) == ["env", "mechanisms", "vs_trl_cb", "pytest_gpu", "continuous_batching", "cb_backend",
+                           "learner_step", "colocated", "vs_trl"]
     assert {name: p["status"] for name, p in parts.items()} == dict.fromkeys(parts, "ok"), parts
+    # the long-tail workload: the default run on the continuous-batching backend, every mechanism run or skipped
+    # with a reason (none failed, none left out of time), and both trainers of the TRL comparison with timelines
+    mech = parts["mechanisms"]
+    assert mech["default"]["status"] == "ok" and mech["default"]["generation_mode"] == "stream"
+    rows = {m["mechanism"]: m for m in mech["mechanisms"]}
+    assert {m["status"] for m in rows.values()} <= {"ok", "skipped"}, rows
+    assert all(m.get("reason") for m in rows.values() if m["status"] == "skipped")
+    assert rows["streaming"]["status"] == "ok" and rows["streaming"]["clock_ratio"] > 0
+    assert rows["speculative rollouts"]["status"] == "skipped" and "vLLM" in rows["speculative rollouts"]["reason"]
+    cb = parts["vs_trl_cb"]
+    assert {(r["trainer"], r["status"]) for r in cb["runs"]} == {("trl", "ok"), ("ours", "ok")}
+    assert {"trainer_built", "first_step"} <= set(cb["startup"]["trl"])
+    assert {"trainer_built", "generators_ready", "first_step"} <= set(cb["startup"]["ours"])
     assert len(parts["learner_step"]["sizes"]) == 2 and all("ms" in r for r in parts["learner_step"]["sizes"])
     cb = parts["continuous_batching"]
     assert cb["continuous"]["produced_tokens"] == cb["useful_tokens"] == cb["continuous"]["logprobs"]
@@ -35,8 +49,10 @@ def test_gpu_kit_dry_run_runs_every_part_and_writes_its_report(tmp_path):
     assert {r["trainer"] for r in parts["vs_trl"]["runs"]} == {"trl", "ours"}
     table = (out / "gpu_kit.md").read_text()
     assert table.startswith("Device: ") and "| colocated | weight sync, s per GB" in table and "not run" not in table
+    assert "| mechanisms | streaming (" in table and "| vs_trl_cb | start-up, ours" in table
     with tarfile.open(out / "logs.tar.gz") as tar:
-        assert {"pytest_gpu.log", "continuous_batching.log", "learner_step.log", "colocated.log", "vs_trl.log"} <= set(tar.getnames())
+        assert {"pytest_gpu.log", "continuous_batching.log", "learner_step.log", "colocated.log", "vs_trl.log",
+                "mechanisms.log", "vs_trl_cb.log", "longtail/runs/default-seed0.log"} <= set(tar.getnames())
 
 
 def test_a_part_that_fails_is_recorded_and_the_kit_goes_on(tmp_path):
