@@ -182,12 +182,8 @@ def cb_config(policy: str, device: str) -> dict | None:
 
     from async_rlhf.experimental.continuous_batching import backend as cb
 
-    text = AutoConfig.from_pretrained(policy).get_text_config()
-    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    per_token = 2 * text.num_hidden_layers * heads * (text.hidden_size // text.num_attention_heads) * 4  # float32
-    tokens = min(cb.CPU_CACHE_TOKENS, cb.DEFAULT_CPU_KV_CACHE_BYTES // per_token)
     return {"page_size": cb.CPU_PAGE_SIZE, "max_batch_tokens": cb.CPU_MAX_BATCH_TOKENS,
-            "num_blocks": max(4, tokens // cb.CPU_PAGE_SIZE)}
+            "num_blocks": cb.cpu_num_blocks(AutoConfig.from_pretrained(policy), dtype_bytes=4)}  # float32 on CPU
 
 
 def our_argv(args, output_dir: str, flags: list[str], seed: int = 0) -> list[str]:

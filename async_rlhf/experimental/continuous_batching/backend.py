@@ -64,6 +64,18 @@ GENERATE_TIMEOUT = 600.0  # seconds one `generate` call may take
 STOP_TIMEOUT = 10.0  # seconds `close` waits for the decode loop to end
 
 
+def cpu_num_blocks(model_config, dtype_bytes: int, page_size: int = CPU_PAGE_SIZE,
+                   kv_cache_memory_bytes: int | None = None) -> int:
+    """Pages of the CPU cache: keys and values of at most `CPU_CACHE_TOKENS` tokens, within `kv_cache_memory_bytes`
+    (default `DEFAULT_CPU_KV_CACHE_BYTES`)."""
+    text = model_config.get_text_config()
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    per_token = 2 * text.num_hidden_layers * heads * head_dim * dtype_bytes  # keys, values
+    tokens = min(CPU_CACHE_TOKENS, (kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES) // per_token)
+    return max(4, tokens // page_size)
+
+
 def unsupported(settings: SamplingSettings) -> str | None:
     """Why transformers' continuous batching cannot sample with `settings` (None: it can)."""
     if settings.repetition_penalty != 1.0:
@@ -108,12 +120,8 @@ class ContinuousBatchingBackend(HFBackend):
             config["page_size"] = page = given.get("page_size", CPU_PAGE_SIZE)
             config["max_batch_tokens"] = CPU_MAX_BATCH_TOKENS
             if "num_blocks" not in given:
-                text = self.model.config.get_text_config()
-                heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-                head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-                per_token = 2 * text.num_hidden_layers * heads * head_dim * self.model.dtype.itemsize  # keys, values
-                tokens = min(CPU_CACHE_TOKENS, (kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES) // per_token)
-                config["num_blocks"] = max(4, tokens // page)
+                config["num_blocks"] = cpu_num_blocks(self.model.config, self.model.dtype.itemsize, page,
+                                                      kv_cache_memory_bytes)
         else:
             config["max_memory_percent"] = GPU_MAX_MEMORY_PERCENT
         return {**config, **given, **FORCED}
