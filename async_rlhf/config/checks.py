@@ -402,6 +402,15 @@ def _streams(c) -> bool:
     return c.generation_mode != "batch" and c.generator_backend != "transformers"
 
 
+def _to_streams(c) -> str:
+    """What makes a run's generators stream: the backend when it is transformers (continuous batching included),
+    else the mode."""
+    if c.generator_backend == "transformers":
+        return ("use generator_backend='vllm' with generation_mode='stream' (transformers' generators, continuous "
+                "batching included, return whole samples)")
+    return "use generation_mode='stream'"
+
+
 def _value(config, name: str) -> str:
     return repr(getattr(config, name)) if hasattr(config, name) else "set"
 
@@ -415,8 +424,7 @@ UNSUPPORTED = [
     ("partial_rollouts", "max_staleness", lambda c: c.partial_rollouts and c.max_staleness < 1,
      "nothing can be carried past a step at max_staleness 0", "set max_staleness >= 1"),
     ("partial_rollouts", "generation_mode", lambda c: c.partial_rollouts and not _streams(c),
-     "only streaming generators answer group by group",
-     "use generation_mode='stream' with generator_backend='vllm'"),
+     "only streaming generators answer group by group", _to_streams),
     ("partial_rollouts", "weight_load", lambda c: c.partial_rollouts and c.weight_load != "in_flight",
      "with 'drain' a weight update waits behind groups that never stop coming", "use weight_load='in_flight'"),
     ("partial_rollouts", "generator_servers", lambda c: c.partial_rollouts and c.generator_servers,
@@ -426,7 +434,7 @@ UNSUPPORTED = [
     ("tail_migration", "generator_devices", lambda c: c.tail_migration and len(c.generator_devices) < 2,
      "a hand-over needs at least two generators", "list 2 or more generator_devices, or tail_migration=0"),
     ("tail_migration", "generation_mode", lambda c: c.tail_migration and not _streams(c),
-     "only streaming vLLM generators hand samples over", "use generation_mode='stream' with generator_backend='vllm'"),
+     "only streaming vLLM generators hand samples over", _to_streams),
     ("tail_migration", "weight_load", lambda c: c.tail_migration and c.weight_load != "in_flight",
      "each moved token keeps its version only with in-flight loads", "use weight_load='in_flight'"),
     ("tail_migration", "generator_servers", lambda c: c.tail_migration and c.generator_servers,

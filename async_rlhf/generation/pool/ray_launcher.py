@@ -311,6 +311,28 @@ class RayGenerator:
             ray.kill(self.actor, no_restart=True)
 
 
+RAY_CONNECT_TIMEOUT = 10.0  # seconds for RAY_ADDRESS's head to accept a connection before ray.init is called
+
+
+def check_ray_address(address: str, timeout: float = RAY_CONNECT_TIMEOUT) -> None:
+    """Refuse a `RAY_ADDRESS` of the form host:port whose head does not accept a connection within `timeout`
+    seconds: `ray.init` would retry it without end, printing a warning every few seconds. 'auto', 'local' and
+    'ray://' (client) addresses are left to Ray."""
+    import socket
+
+    host, _, port = address.strip().rpartition(":")
+    if not host or not port.isdigit() or "://" in address:
+        return
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            pass
+    except OSError as e:
+        raise ConfigError(
+            f"generator_launcher='ray': RAY_ADDRESS={address!r} did not accept a connection within {timeout:.0f} s "
+            f"({type(e).__name__}: {e}); start the cluster's head there (`ray start --head --port {port}`), point "
+            f"RAY_ADDRESS at a running head, or unset it to start a local Ray") from None
+
+
 class RayLauncher:
     """Starts generators as Ray actors: on this node, or anywhere in the cluster once `plan` chose the network for
     their weights. Connects to `RAY_ADDRESS`'s cluster, else starts a local Ray."""
@@ -320,6 +342,7 @@ class RayLauncher:
 
         self._started = not ray.is_initialized()
         if self._started:
+            check_ray_address(os.environ.get("RAY_ADDRESS", ""))
             ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False,
                      runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
         self._node_id = ray.get_runtime_context().get_node_id()

@@ -54,7 +54,10 @@ def test_trls_names_set_it(make_config, cls):
     ({"continuous_batching_config": {"use_async_batching": True}}, ["use_async_batching"]),
     ({"speculative": "ngram"}, ["speculative", "generator_backend='transformers'"]),
     ({"partial_rollouts": 2, "weight_load": "in_flight", "max_staleness": 1}, ["partial_rollouts",
-                                                                                "generator_backend='vllm'"]),
+                                                                                "generator_backend='vllm'",
+                                                                                "return whole samples"]),
+    ({"tail_migration": 2, "weight_load": "in_flight", "generator_devices": ["cpu", "cpu"]},
+     ["tail_migration", "generator_backend='vllm'", "return whole samples"]),
 ])
 def test_what_its_generators_cannot_serve_is_refused(make_config, fields, words):
     with pytest.raises(ConfigError) as info:

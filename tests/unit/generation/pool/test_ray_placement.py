@@ -72,3 +72,21 @@ def test_network_generators_may_use_any_node_but_need_room_somewhere(tmp_path):
     gpus = config(tmp_path, generator_devices=["cuda:0"])
     with pytest.raises(ConfigError, match=r"need 1 GPU\(s\) \(1 GPU each\)"):
         check_room(gpus, "network", {"CPU": 8.0}, {"b": {"CPU": 8.0}})
+
+
+def test_a_ray_address_with_no_head_is_refused_before_ray_init():
+    import socket
+
+    from async_rlhf.generation.pool.ray_launcher import check_ray_address
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ConfigError, match=rf"RAY_ADDRESS='127.0.0.1:{port}'.*ray start --head --port {port}"):
+        check_ray_address(f"127.0.0.1:{port}", timeout=2)
+    with socket.socket() as s:  # a listening head passes
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        check_ray_address(f"127.0.0.1:{s.getsockname()[1]}", timeout=2)
+    for left_to_ray in ("", "auto", "local", "ray://10.0.0.1:10001"):
+        check_ray_address(left_to_ray, timeout=0.01)

@@ -1,0 +1,170 @@
+"""Differences between sweep cells with their 95% intervals: what a NOTES finding states.
+
+Reads one or more sweep directories (a sweep's `--output_dir`, or committed results with their runs.jsonl) and pools
+their finished runs by cell: `ALGORITHM:N` (the algorithm's name in the grid, `,flag=value` for each extra axis of
+the grid, and its knob value), seeds merged across directories (a seed that two directories both ran is refused: it
+would count twice). Then prints
+
+* every cell: seeds, mean and the 95% t-interval of the mean (sample standard deviation, n - 1 degrees of freedom);
+* each contrast asked for: a signed sum of cell means (`A:16 - A:1`; an interaction such as
+  `small:16 - small:1 - default:16 + default:1`) with its Welch 95% interval (independent cells, unequal variances,
+  Welch-Satterthwaite degrees of freedom). With no contrast given: each algorithm's every N against its N = 1.
+
+The value is a final evaluation metric (`--metric`, default the run's score: `gold_win_rate`, else the training
+score) or, with `--step S`, the evaluation of that metric logged at step S during training (`gold_eval_steps`).
+
+    python evals/compare.py evals/results/sorting_staleness evals/results/sorting_staleness_seeds45 --metric gold_reward
+    python evals/compare.py evals/results/sorting_staleness --metric gold_reward --contrast "ppo_none:16 - ppo_none:1"
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import sys
+from dataclasses import dataclass
+
+from scipy import stats
+
+if __package__ in (None, ""):  # `python evals/compare.py` from a checkout: `evals` is imported from the checkout
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from evals.run_result import RunResult, load_runs  # noqa: E402
+
+TERM = re.compile(r"\s*([+-])?\s*([^\s:+-][^\s:]*):(\d+)\s*")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    value: float  # a mean, or a contrast of means
+    low: float  # the 95% interval
+    high: float
+    df: float
+
+
+def run_value(run: RunResult, metric: str | None, step: int | None) -> float:
+    """The run's value: its final `metric` (default: its score), or that metric's evaluation at `step`."""
+    if step is not None:
+        name = metric or "gold_win_rate"
+        points = {s: v for s, _, v in run.eval_curve(name)}
+        return float(points.get(step, math.nan))
+    return run.score if metric is None else run.eval_value(metric)
+
+
+def cell_key(run: RunResult) -> str:
+    """'ALGORITHM:N', with a grid's extra axes after the name: 'ALGORITHM,flag=value:N'."""
+    return "".join([run.algorithm] + [f",{k}={v}" for k, v in run.axes.items()]) + f":{run.knob_value}"
+
+
+def pool_cells(dirs: list[str], metric: str | None = None, step: int | None = None) -> dict[str, dict[int, float]]:
+    """'ALGORITHM:N' -> {seed: value} over the finished runs of every directory."""
+    cells: dict[str, dict[int, float]] = {}
+    for d in dirs:
+        runs, _ = load_runs(d)
+        if not runs:
+            raise SystemExit(f"{d}: no finished runs (neither run directories nor runs.jsonl)")
+        for run in runs:
+            key = cell_key(run)
+            seeds = cells.setdefault(key, {})
+            if run.seed in seeds:
+                raise SystemExit(f"{d}: cell {key} seed {run.seed} is also in an earlier directory; each seed counts "
+                                 f"once")
+            value = run_value(run, metric, step)
+            if not math.isnan(value):
+                seeds[run.seed] = value
+    return cells
+
+
+def mean_interval(values: list[float]) -> Estimate:
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return Estimate(mean, math.nan, math.nan, 0)
+    var = sum((v - mean) ** 2 for v in values) / (n - 1)
+    half = stats.t.ppf(0.975, n - 1) * math.sqrt(var / n)
+    return Estimate(mean, mean - half, mean + half, n - 1)
+
+
+def contrast(terms: list[tuple[float, list[float]]]) -> Estimate:
+    """sum(sign x mean) over (sign, values) terms, with its Welch-Satterthwaite 95% interval."""
+    value, pieces = 0.0, []
+    for sign, values in terms:
+        n = len(values)
+        if n < 2:
+            raise SystemExit(f"a contrast needs at least 2 seeds in each cell, got {n}")
+        mean = sum(values) / n
+        value += sign * mean
+        pieces.append((sum((v - mean) ** 2 for v in values) / (n - 1) / n, n))
+    se2 = sum(p for p, _ in pieces)
+    if se2 == 0:
+        return Estimate(value, value, value, math.inf)
+    df = se2 ** 2 / sum(p ** 2 / (n - 1) for p, n in pieces)
+    half = stats.t.ppf(0.975, df) * math.sqrt(se2)
+    return Estimate(value, value - half, value + half, df)
+
+
+def parse_contrast(text: str) -> list[tuple[float, str]]:
+    """'a:16 - a:1' -> [(+1, 'a:16'), (-1, 'a:1')]."""
+    terms, pos = [], 0
+    while pos < len(text):
+        m = TERM.match(text, pos)
+        if not m or m.end() == pos:
+            raise SystemExit(f"--contrast {text!r}: expected terms like 'ALGORITHM:N - ALGORITHM:N' at {text[pos:]!r}")
+        terms.append((-1.0 if m.group(1) == "-" else 1.0, f"{m.group(2)}:{m.group(3)}"))
+        pos = m.end()
+    if not terms:
+        raise SystemExit("--contrast: empty")
+    return terms
+
+
+def default_contrasts(cells: dict[str, dict[int, float]]) -> list[str]:
+    """Each algorithm's every N against its N = 1."""
+    out = []
+    for key in cells:
+        algorithm, n = key.rsplit(":", 1)
+        if n != "1" and f"{algorithm}:1" in cells:
+            out.append(f"{key} - {algorithm}:1")
+    return out
+
+
+def signed(e: Estimate) -> str:
+    return f"{e.value:+.3f} [{e.low:+.3f}, {e.high:+.3f}]"
+
+
+def report(cells: dict[str, dict[int, float]], contrasts: list[str]) -> list[str]:
+    lines = ["| cell | seeds | values | mean [95% t] |", "| --- | --- | --- | --- |"]
+    for key, seeds in cells.items():
+        values = [seeds[s] for s in sorted(seeds)]
+        e = mean_interval(values)
+        lines.append(f"| {key} | {' '.join(map(str, sorted(seeds)))} | {', '.join(f'{v:.3f}' for v in values)} "
+                     f"| {e.value:.3f} [{e.low:.3f}, {e.high:.3f}] |")
+    if contrasts:
+        lines += ["", "| contrast | difference [Welch 95%] | df |", "| --- | --- | --- |"]
+    for text in contrasts:
+        terms = parse_contrast(text)
+        missing = [k for _, k in terms if k not in cells]
+        if missing:
+            raise SystemExit(f"--contrast {text!r}: no cell {', '.join(missing)} (cells: {', '.join(cells)})")
+        e = contrast([(sign, list(cells[k].values())) for sign, k in terms])
+        lines.append(f"| {text} | {signed(e)} | {e.df:.1f} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> list[str]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("dirs", nargs="+", help="sweep output directories or committed results (runs.jsonl)")
+    parser.add_argument("--metric", default=None, help="evaluation metric (default: the run's score)")
+    parser.add_argument("--step", type=int, default=None, help="the evaluation logged at this training step")
+    parser.add_argument("--contrast", action="append", default=None,
+                        help="signed cells, e.g. 'ppo_none:16 - ppo_none:1' (repeat for more)")
+    args = parser.parse_args(argv)
+    cells = pool_cells(args.dirs, args.metric, args.step)
+    lines = report(cells, args.contrast if args.contrast is not None else default_contrasts(cells))
+    print("\n".join(lines))
+    return lines
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

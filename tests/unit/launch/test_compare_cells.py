@@ -1,0 +1,48 @@
+"""evals/compare.py: cell means with t-intervals and contrasts with Welch intervals, checked by hand on small numbers
+and against a finding a committed NOTES states (so the figure there is the tool's)."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+
+import pytest
+from scipy import stats
+
+from evals import compare
+
+ROOT = next(p for p in pathlib.Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
+RESULTS = ROOT / "evals" / "results"
+
+
+def test_a_difference_of_two_cells_is_welchs():
+    a, b = [1.0, 2.0, 3.0], [0.0, 0.5, 1.0, 1.5]
+    e = compare.contrast([(1.0, a), (-1.0, b)])
+    va, vb = 1.0 / 3, (5 / 12) / 4  # variance of each mean
+    df = (va + vb) ** 2 / (va ** 2 / 2 + vb ** 2 / 3)
+    half = stats.t.ppf(0.975, df) * math.sqrt(va + vb)
+    assert (e.value, e.df) == (pytest.approx(2.0 - 0.75), pytest.approx(df))
+    assert (e.low, e.high) == (pytest.approx(1.25 - half), pytest.approx(1.25 + half))
+    m = compare.mean_interval(a)
+    assert (m.value, m.high - m.value) == (2.0, pytest.approx(stats.t.ppf(0.975, 2) * math.sqrt(1 / 3)))
+
+
+def test_contrasts_parse_and_bad_ones_are_named():
+    assert compare.parse_contrast("s_small:16 - s_small:1 - d:16 + d:1") == [
+        (1.0, "s_small:16"), (-1.0, "s_small:1"), (-1.0, "d:16"), (1.0, "d:1")]
+    with pytest.raises(SystemExit, match="expected terms"):
+        compare.parse_contrast("ppo_none:16 minus ppo_none:1")
+    with pytest.raises(SystemExit, match="no cell ppo:9"):
+        compare.report({"ppo:1": {1: 1.0, 2: 2.0}}, ["ppo:9 - ppo:1"])
+
+
+def test_the_five_seed_staleness_finding_is_what_the_notes_state():
+    dirs = [str(RESULTS / "sorting_staleness"), str(RESULTS / "sorting_staleness_seeds45")]
+    cells = compare.pool_cells(dirs, metric="gold_reward")
+    assert sorted(cells["ppo_none:16"]) == [1, 2, 3, 4, 5]
+    lines = compare.report(cells, ["ppo_none:16 - ppo_none:1"])
+    assert "| ppo_none:16 - ppo_none:1 | -0.085 [-0.116, -0.054] |" in "\n".join(lines)
+    notes = (RESULTS / "sorting_staleness_seeds45" / "NOTES.md").read_text()
+    assert "-0.085 [-0.116, -0.054]" in notes
+    with pytest.raises(SystemExit, match="seed 1 is also in an earlier directory"):
+        compare.pool_cells(dirs[:1] * 2, metric="gold_reward")
