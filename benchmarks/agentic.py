@@ -36,9 +36,13 @@ for path in (ROOT, HERE):
     if path not in sys.path:
         sys.path.insert(0, path)
 
+from transformers import TrainerCallback  # noqa: E402
+
 from async_rlhf.data.guess_task import GuessEnv  # noqa: E402
 
 LATENCY_ENV = "AGENTIC_TOOL_LATENCY"
+CHILD_OPTIONS = ("steps", "prompts", "generations", "learning_rate", "lr_scheduler_type", "warmup_steps", "sft_steps",
+                 "eval_episodes", "eval_every", "threshold")  # passed from the parent to each child run
 
 
 class LatencyGuessEnv(GuessEnv):
@@ -68,11 +72,13 @@ def child(args) -> dict:
     from async_rlhf.tasks.build_guess import prepare_guess
     from async_rlhf.tasks.guess_evaluation import evaluate_guess_policy
 
-    paths = prepare_guess(seed=0)
+    paths = prepare_guess(seed=0, sft_steps=args.sft_steps)
+    episodes_per_step = args.prompts * args.generations
     dataset = guess_task.make_split(args.prompts * args.steps * 2, args.seed, "train")
-    fields = dict(output_dir=args.output_dir, per_device_train_batch_size=args.prompts * 8, num_generations=8,
-                  max_completion_length=256, max_tool_calling_iterations=5, learning_rate=1e-4,
-                  lr_scheduler_type="constant", beta=0.0, max_steps=args.steps, logging_steps=1, report_to="none",
+    fields = dict(output_dir=args.output_dir, per_device_train_batch_size=episodes_per_step,
+                  num_generations=args.generations, max_completion_length=256, max_tool_calling_iterations=5,
+                  learning_rate=args.learning_rate, lr_scheduler_type=args.lr_scheduler_type,
+                  warmup_steps=args.warmup_steps, beta=0.0, max_steps=args.steps, logging_steps=1, report_to="none",
                   seed=args.seed, save_strategy="no", bf16=False)
     t0 = time.perf_counter()
     if args.trainer == "trl":
@@ -88,23 +94,75 @@ def child(args) -> dict:
                             disable_tqdm=True, rollout_timeout=1800)
     trainer = GRPOTrainer(model=paths["sft_model"], args=config, train_dataset=dataset, environment_factory=Env,
                           processing_class=AutoTokenizer.from_pretrained(paths["sft_model"]))
+    curve = HeldOutCurve(trainer, AutoTokenizer.from_pretrained(paths["tokenizer"]), args, t0)
+    if args.eval_every:
+        trainer.add_callback(curve)
     trainer.train()
-    clock = time.perf_counter() - t0
+    clock = time.perf_counter() - t0 - curve.seconds
     logs = [h for h in trainer.state.log_history if "reward" in h]
+    steps = trainer.state.global_step
     model = trainer.accelerator.unwrap_model(trainer.model)
     policy = AutoModelForCausalLM.from_pretrained(paths["sft_model"])
     policy.load_state_dict({k: v.detach().cpu().float() for k, v in model.state_dict().items()})
     torch.manual_seed(0)
     held_out = evaluate_guess_policy(policy, AutoTokenizer.from_pretrained(paths["tokenizer"]), "guess",
                                      args.eval_episodes, seed=0)
+    calls = sum(h.get("tools/call_frequency", 0) for h in logs) / max(1, len(logs))
     return {"trainer": args.trainer, "max_staleness": args.max_staleness if args.trainer == "ours" else None,
-            "latency": float(os.environ.get(LATENCY_ENV, "0")), "seed": args.seed, "steps": args.steps,
-            "episodes": args.steps * args.prompts * 8, "clock_seconds": clock,
-            "episodes_per_s": args.steps * args.prompts * 8 / clock,
+            "latency": float(os.environ.get(LATENCY_ENV, "0")), "seed": args.seed, "steps": steps,
+            "episodes": steps * episodes_per_step, "clock_seconds": clock,
+            "episodes_per_s": steps * episodes_per_step / clock,
             "train_reward_first": logs[0]["reward"] if logs else None,
             "train_reward_last": logs[-1]["reward"] if logs else None,
-            "tool_calls_per_episode": sum(h.get("tools/call_frequency", 0) for h in logs) / max(1, len(logs)),
-            "held_out_success": held_out["success_rate"], "held_out_turns": held_out["turns_mean"]}
+            "tool_calls_per_episode": calls, "tool_calls": calls * steps * episodes_per_step,
+            "held_out_success": held_out["success_rate"], "held_out_turns": held_out["turns_mean"],
+            "held_out_curve": curve.points, "threshold": args.threshold, **curve.reached()}
+
+
+class HeldOutCurve(TrainerCallback):
+    """Every `eval_every` optimizer steps, the learner's current policy plays `eval_episodes` held-out episodes
+    (seed 0, temperature 1, as the task's final evaluation); the evaluation's seconds are taken off the clock. With a
+    `threshold`, training stops at the first evaluation at or above it, and `reached()` gives the clock, the steps
+    and the tool calls made until then."""
+
+    def __init__(self, trainer, tokenizer, args, t0: float):
+        self.trainer, self.tokenizer, self.args, self.t0 = trainer, tokenizer, args, t0
+        self.seconds = 0.0  # evaluations, off the clock
+        self.points: list[dict] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        import torch
+
+        from async_rlhf.tasks.guess_evaluation import evaluate_guess_policy
+
+        if state.global_step % self.args.eval_every:
+            return
+        clock = time.perf_counter() - self.t0 - self.seconds
+        start = time.perf_counter()
+        model = self.trainer.accelerator.unwrap_model(self.trainer.model)
+        was_training = model.training
+        rng = torch.get_rng_state()
+        try:
+            model.eval()
+            metrics = evaluate_guess_policy(model, self.tokenizer, "guess", self.args.eval_episodes, seed=0)
+        finally:
+            model.train(was_training)
+            torch.set_rng_state(rng)  # the training's own sampling is not moved by the evaluation's
+        self.seconds += time.perf_counter() - start
+        calls = [h.get("tools/call_frequency", 0) for h in state.log_history if "reward" in h]
+        self.points.append({"step": state.global_step, "clock_seconds": clock,
+                            "tool_calls": sum(calls) * self.args.prompts * self.args.generations,
+                            "success": metrics["success_rate"]})
+        print(f"[agentic] step {state.global_step}: held-out success {metrics['success_rate']:.3f} at "
+              f"{clock:.1f} s", flush=True)
+        if self.args.threshold is not None and metrics["success_rate"] >= self.args.threshold:
+            control.should_training_stop = True
+
+    def reached(self) -> dict:
+        hit = next((p for p in self.points if self.args.threshold is not None
+                    and p["success"] >= self.args.threshold), None)
+        return {"threshold_step": hit and hit["step"], "threshold_clock_seconds": hit and hit["clock_seconds"],
+                "threshold_tool_calls": hit and hit["tool_calls"]}
 
 
 # ---- the parent ---------------------------------------------------------------------------------------------------
@@ -112,8 +170,11 @@ def run_child(trainer: str, latency: float, seed: int, staleness: int, args, out
     name = f"{trainer}{'' if trainer == 'trl' else f'-s{staleness}'}-lat{latency:g}-seed{seed}"
     path = os.path.join(out_dir, name + ".json")
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--trainer", trainer, "--seed", str(seed),
-           "--max_staleness", str(staleness), "--steps", str(args.steps), "--prompts", str(args.prompts),
-           "--eval_episodes", str(args.eval_episodes), "--output_dir", os.path.join(out_dir, name), "--json", path]
+           "--max_staleness", str(staleness), "--output_dir", os.path.join(out_dir, name), "--json", path]
+    for option in CHILD_OPTIONS:
+        value = getattr(args, option)
+        if value is not None:
+            cmd += [f"--{option}", str(value)]
     env = {**os.environ, LATENCY_ENV: str(latency), "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
     print(f"[agentic] {name} ...", flush=True)
     with open(os.path.join(out_dir, name + ".log"), "w") as log:
@@ -125,6 +186,26 @@ def run_child(trainer: str, latency: float, seed: int, staleness: int, args, out
     print(f"[agentic] {name}: {result['clock_seconds']:.1f} s, {result['episodes_per_s']:.2f} episodes/s, "
           f"held-out success {result['held_out_success']:.3f}", flush=True)
     return result
+
+
+def threshold_table(results: list[dict]) -> str:
+    """Time to the held-out threshold (evaluations off the clock), each trainer at the latency it ran with, with the
+    tool calls made until then (what a latency per call would add to a trainer that makes them one after the other,
+    as TRL's `_tool_call_loop` does)."""
+    rows = ["| trainer | latency s (ran) | seed | steps | episodes | tool calls | held-out success | clock s to it |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in sorted(results, key=lambda r: (r["seed"], r["trainer"] != "trl", r["latency"])):
+        if r.get("threshold") is None:
+            continue
+        label = "TRL GRPOTrainer" if r["trainer"] == "trl" else f"ours, S={r['max_staleness']}"
+        hit = r["threshold_step"] is not None
+        best = max((p["success"] for p in r["held_out_curve"]), default=float("nan"))
+        rows.append(f"| {label} | {r['latency']:g} | {r['seed']} | {r['threshold_step'] if hit else r['steps']} | "
+                    f"{(r['threshold_step'] or r['steps']) * r['episodes'] // max(1, r['steps'])} | "
+                    f"{r['threshold_tool_calls'] if hit else r['tool_calls']:.0f} | "
+                    f"{'>= ' + format(r['threshold'], 'g') if hit else f'not reached (best {best:.3f})'} | "
+                    f"{r['threshold_clock_seconds'] if hit else float('nan'):.1f} |")
+    return "\n".join(rows)
 
 
 def table(results: list[dict]) -> str:
@@ -148,8 +229,19 @@ def main(argv=None):
     p.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2], help="ours: max_staleness values")
     p.add_argument("--trainers", nargs="+", default=["trl", "ours"], choices=["trl", "ours"])
     p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--prompts", type=int, default=4, help="prompts a step (x 8 episodes)")
+    p.add_argument("--prompts", type=int, default=4, help="prompts a step (x --generations episodes)")
+    p.add_argument("--generations", type=int, default=8, help="episodes a prompt (GRPO's group)")
+    p.add_argument("--learning_rate", type=float, default=1e-4)
+    p.add_argument("--lr_scheduler_type", default="constant")
+    p.add_argument("--warmup_steps", type=float, default=0.0, help="steps, or a fraction of them below 1")
+    p.add_argument("--sft_steps", type=int, default=600, help="the task's SFT policy (tasks/build_guess.py)")
     p.add_argument("--eval_episodes", type=int, default=128)
+    p.add_argument("--eval_every", type=int, default=0, help="held-out evaluation every this many steps (0: end only)")
+    p.add_argument("--threshold", type=float, default=None, help="stop at the first evaluation at or above it")
+    p.add_argument("--to_threshold", action="store_true",
+                   help="time to held-out success 0.9: evals/results/guess_grpo's s01 setting (16 prompts x 16 "
+                        "episodes, lr 3e-4 cosine, warm-up 0.1, the 1200-step SFT policy), up to 240 steps, 256 "
+                        "held-out episodes every 10 steps, S=1, no latency")
     p.add_argument("--run_timeout", type=float, default=1800.0)
     p.add_argument("--output_dir", default="outputs/agentic")
     p.add_argument("--quick", action="store_true", help="latency 0.2, seed 0, S=1, 8 steps, 64 held-out episodes")
@@ -166,6 +258,10 @@ def main(argv=None):
         return result
     if args.quick:
         args.latencies, args.seeds, args.staleness, args.steps, args.eval_episodes = [0.2], [0], [1], 8, 64
+    if args.to_threshold:
+        args.latencies, args.staleness, args.steps, args.prompts, args.generations = [0.0], [1], 240, 16, 16
+        args.learning_rate, args.lr_scheduler_type, args.warmup_steps, args.sft_steps = 3e-4, "cosine", 0.1, 1200
+        args.eval_episodes, args.eval_every, args.threshold = 256, 10, 0.9
     out_dir = os.path.abspath(args.output_dir)
     os.makedirs(out_dir, exist_ok=True)
     results = []
@@ -182,6 +278,8 @@ def main(argv=None):
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump(report, f, indent=1)
     print(f"\n{machine}\n" + table(results))
+    if args.threshold is not None:
+        print("\n" + threshold_table(results))
     return report
 
 

@@ -38,9 +38,15 @@ MAX_POSITIONS = 512  # the first prompt (about 200 ids, most of it the tool sche
 EVAL_EPISODES = 256  # held-out episodes for the manifest's metrics (16 per secret)
 
 
-def sft_settings(seed: int = 0) -> SFTSettings:
-    return SFTSettings(seed=seed, num_examples=4096, steps=600, batch_size=32, learning_rate=3e-3, hidden_size=64,
-                       num_layers=2, num_heads=2)
+SFT_STEPS = 600  # the default SFT policy's steps; `--sft_steps` builds a longer-trained one beside it
+
+
+def sft_settings(seed: int = 0, steps: int = SFT_STEPS) -> SFTSettings:
+    """The SFT policy's settings; `steps` other than the default keep the epochs (demonstrations grow with them)."""
+    if steps < 1:
+        raise ValueError(f"sft_steps: must be >= 1, got {steps}")
+    return SFTSettings(seed=seed, num_examples=max(4096, 4096 * steps // SFT_STEPS), steps=steps, batch_size=32,
+                       learning_rate=3e-3, hidden_size=64, num_layers=2, num_heads=2)
 
 
 def demonstrations(tokenizer, num_episodes: int, seed: int) -> list[tuple[list[int], list[int]]]:
@@ -141,15 +147,27 @@ def build_into(directory: str, seed: int = 0, sft: SFTSettings | None = None,
     return manifest
 
 
+def guess_cache_dir(seed: int = 0, sft_steps: int = SFT_STEPS) -> str:
+    """Where the task of `seed` with an SFT policy of `sft_steps` is cached: the default policy's directory, or
+    beside it with `-sft<steps>`."""
+    base = default_cache_dir(seed, guess_task)
+    return base if sft_steps == SFT_STEPS else f"{base}-sft{sft_steps}"
+
+
 def prepare_guess(cache_dir: str | None = None, seed: int = 0, sft: SFTSettings | None = None,
-                  eval_episodes: int = EVAL_EPISODES) -> dict:
+                  eval_episodes: int = EVAL_EPISODES, sft_steps: int = SFT_STEPS) -> dict:
     """Make sure the guessing task's tokenizer and SFT policy exist; return their paths ({"cache_dir", "tokenizer",
-    "sft_model", "manifest", ...}). `sft` overrides the settings (tests build a reduced one)."""
+    "sft_model", "manifest", ...}). `sft` overrides the settings (tests build a reduced one); `sft_steps` other than
+    the default trains the policy longer, cached beside the default one (`<default cache dir>-sft<steps>`)."""
+    if cache_dir is None and sft is None:
+        cache_dir = guess_cache_dir(seed, sft_steps)
+    sft = sft or sft_settings(seed, sft_steps)
     cache_dir = os.path.abspath(cache_dir or default_cache_dir(seed, guess_task))
 
     def build(directory: str) -> None:
-        build_progress.announce(f"Building the guessing task once into {cache_dir}: tokenizer, SFT policy (17 "
-                                f"minutes measured on 2 busy CPU cores; later runs reuse it)")
+        build_progress.announce(f"Building the guessing task once into {cache_dir}: tokenizer, SFT policy of "
+                                f"{sft.steps} steps (17 minutes measured for {SFT_STEPS} on 2 busy CPU cores; "
+                                f"later runs reuse it)")
         with (built_atomically(directory) as tmp, _all_cores(), build_progress.without_library_bars(),
               build_progress.building("guessing task")):
             manifest = build_into(tmp, seed, sft, eval_episodes)
@@ -164,9 +182,12 @@ def prepare_guess(cache_dir: str | None = None, seed: int = 0, sft: SFTSettings 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description="Build the guessing task's tokenizer and SFT policy once (cached).")
     parser.add_argument("--seed", type=int, default=0, help="task seed: which demonstrations, which held-out rows")
-    parser.add_argument("--cache_dir", default=None, help="default: <cache root>/guess-v<TASK_VERSION>[-seed<seed>]")
+    parser.add_argument("--cache_dir", default=None, help="default: <cache root>/guess-v<TASK_VERSION>[-seed<seed>]"
+                                                           "[-sft<steps>]")
+    parser.add_argument("--sft_steps", type=int, default=SFT_STEPS,
+                        help=f"SFT steps of 32 episodes (default {SFT_STEPS}); others keep the epochs")
     args = parser.parse_args(argv)
-    paths = prepare_guess(args.cache_dir, args.seed)
+    paths = prepare_guess(args.cache_dir, args.seed, sft_steps=args.sft_steps)
     with open(paths["manifest"]) as f:
         print(json.dumps({**paths, "manifest": json.load(f)}, indent=2))
     return paths

@@ -32,6 +32,10 @@ class ScriptArguments:
                                                           "RLOO; docs/guess_task.md)."})
     guess_env: str = field(default="guess", metadata={"help": "task 'guess': the environment trained on, 'guess' or "
                                                               "'control' (its answers carry no information)."})
+    guess_sft_steps: int = field(default=600, metadata={"help": "task 'guess': the SFT policy's training steps "
+                                                                "(600: the default policy; others are built once "
+                                                                "beside it, the demonstrations growing with the "
+                                                                "steps)."})
     model_name_or_path: str | None = field(default=None, metadata={"help": "Policy (default: the task's SFT model)."})
     dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset or local file (task 'hub')."})
     dataset_config: str | None = field(default=None, metadata={"help": "Dataset config name."})
@@ -197,7 +201,7 @@ def _guess_task(script: ScriptArguments, config) -> Task:
     factories = {"guess": guess_task.GuessEnv, "control": guess_task.UninformativeGuessEnv}
     if script.guess_env not in factories:
         raise ConfigError(f"guess_env: {script.guess_env!r} is not one of {sorted(factories)}")
-    paths = prepare_guess(seed=0)
+    paths = prepare_guess(seed=0, sft_steps=script.guess_sft_steps)
     episodes = max(1, script.eval_prompts)
 
     def evaluate(model) -> dict:

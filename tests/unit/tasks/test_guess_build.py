@@ -49,3 +49,12 @@ def test_demonstrations_share_their_prompt_and_train_only_the_sampled_ids():
         assert trained.count(tok.eos_token_id) == turns  # every assistant turn is trained to stop
         assert tok.decode(trained).count("<tool_call>") == tok.decode(ids).count("<tool_response>")
         assert "<tool_response>" not in tok.decode(trained)  # tool answers are context, not targets
+
+
+def test_a_longer_trained_sft_policy_keeps_the_epochs_and_is_cached_beside_the_default(tmp_path, monkeypatch):
+    monkeypatch.setenv("ASYNC_RLHF_CACHE", str(tmp_path))
+    default, longer = build_guess.sft_settings(0), build_guess.sft_settings(0, 1200)
+    assert (default.steps, default.num_examples) == (600, 4096)
+    assert (longer.steps, longer.num_examples) == (1200, 8192)  # twice the steps on twice the demonstrations
+    assert build_guess.guess_cache_dir(0) == str(tmp_path / f"guess-v{g.TASK_VERSION}")
+    assert build_guess.guess_cache_dir(0, 1200) == str(tmp_path / f"guess-v{g.TASK_VERSION}-sft1200")
