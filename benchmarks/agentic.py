@@ -50,16 +50,11 @@ class LatencyGuessEnv(GuessEnv):
     processes, which inherit the variable, wait as long)."""
 
     def guess(self, n: int) -> str:
-        """Guess the secret number.
-
-        Args:
-            n: the number guessed, from 0 to 15
-
-        Returns:
-            higher, lower or correct
-        """
         time.sleep(float(os.environ.get(LATENCY_ENV, "0")))
         return super().guess(n)
+
+    guess.__doc__ = GuessEnv.guess.__doc__  # the tool schema (and so the prompt) the policy was trained and is
+    # evaluated with: a docstring of its own would change the system block the policy sees in training only
 
 
 # ---- a child: one training run --------------------------------------------------------------------------------------
@@ -224,7 +219,8 @@ def table(results: list[dict]) -> str:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--latencies", type=float, nargs="+", default=[0.0, 0.05, 0.2])
+    p.add_argument("--latencies", type=float, nargs="+", default=None,
+                   help="seconds a tool call waits (default: 0 0.05 0.2; with --to_threshold: 0)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2], help="ours: max_staleness values")
     p.add_argument("--trainers", nargs="+", default=["trl", "ours"], choices=["trl", "ours"])
@@ -241,7 +237,7 @@ def main(argv=None):
     p.add_argument("--to_threshold", action="store_true",
                    help="time to held-out success 0.9: evals/results/guess_grpo's s01 setting (16 prompts x 16 "
                         "episodes, lr 3e-4 cosine, warm-up 0.1, the 1200-step SFT policy), up to 240 steps, 256 "
-                        "held-out episodes every 10 steps, S=1, no latency")
+                        "held-out episodes every 10 steps, S=1, latency 0 unless --latencies")
     p.add_argument("--run_timeout", type=float, default=1800.0)
     p.add_argument("--output_dir", default="outputs/agentic")
     p.add_argument("--quick", action="store_true", help="latency 0.2, seed 0, S=1, 8 steps, 64 held-out episodes")
@@ -259,9 +255,11 @@ def main(argv=None):
     if args.quick:
         args.latencies, args.seeds, args.staleness, args.steps, args.eval_episodes = [0.2], [0], [1], 8, 64
     if args.to_threshold:
-        args.latencies, args.staleness, args.steps, args.prompts, args.generations = [0.0], [1], 240, 16, 16
+        args.latencies = args.latencies or [0.0]
+        args.staleness, args.steps, args.prompts, args.generations = [1], 240, 16, 16
         args.learning_rate, args.lr_scheduler_type, args.warmup_steps, args.sft_steps = 3e-4, "cosine", 0.1, 1200
         args.eval_episodes, args.eval_every, args.threshold = 256, 10, 0.9
+    args.latencies = args.latencies or [0.0, 0.05, 0.2]
     out_dir = os.path.abspath(args.output_dir)
     os.makedirs(out_dir, exist_ok=True)
     results = []
