@@ -78,13 +78,10 @@ def pool_cells(dirs: list[str], metric: str | None = None, step: int | None = No
 
 
 def mean_interval(values: list[float]) -> Estimate:
-    n = len(values)
-    mean = sum(values) / n
-    if n < 2:
-        return Estimate(mean, math.nan, math.nan, 0)
-    var = sum((v - mean) ** 2 for v in values) / (n - 1)
-    half = stats.t.ppf(0.975, n - 1) * math.sqrt(var / n)
-    return Estimate(mean, mean - half, mean + half, n - 1)
+    """The mean with its t-interval: the one-cell contrast (Welch-Satterthwaite's df is then n - 1)."""
+    if len(values) < 2:
+        return Estimate(sum(values) / len(values), math.nan, math.nan, 0)
+    return contrast([(1.0, values)])
 
 
 def contrast(terms: list[tuple[float, list[float]]]) -> Estimate:
