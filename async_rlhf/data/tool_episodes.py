@@ -9,17 +9,21 @@ The rest follows TRL's loop: `reset(**row)`'s returned string is appended to the
 rendered with the environment's tools; each tool call runs (a tool that raises, or an unknown name, answers
 `{"error": ...}` and is counted as a failure); at most `max_tool_calling_iterations` rounds of calls; the episode
 budget `max_completion_length` counts every id after the first prompt, and a tool answer that would overflow it is
-rolled back and ends the episode. Episodes run side by side: each round samples every episode still going in one
-call of `sample`, then runs the round's tool calls through `call_tools` (default: one after the other, in this
-thread; the generator runs them concurrently with a time limit, `generation/engine/episodes.py`). An environment whose
-`reset` raises leaves its episode unscorable (`Episode.error`), never the others.
+rolled back and ends the episode (one that fills it exactly ends it too: nothing is left to sample). Episodes run side
+by side: each round samples every episode still going in one call of `sample`, then runs the round's tool calls
+through `call_tools`. Within one episode's turn the calls run as TRL runs them: the synchronous ones one after another
+in the order called, then the `async def` ones together, their answers in that order (default `call_in_turn`: every
+episode in turn, in this thread; the generator runs the episodes concurrently with a time limit a call,
+`generation/engine/episodes.py`). An environment whose `reset` raises leaves its episode unscorable
+(`Episode.error`), never the others.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +52,8 @@ class TurnTokens:
 
     def prompt(self, messages: list[dict], tools: list[Callable]) -> list[int]:
         """The first prompt: the conversation and the tools' schema, then the assistant header."""
-        key = json.dumps(["prompt", messages, [t.__name__ for t in tools]])
+        key = json.dumps(["prompt", messages, [f"{t.__module__}.{t.__qualname__}" for t in tools]])  # two classes'
+        # tools of one name have two schemas
         if key not in self._cache:
             self._cache[key] = self._render(messages, True, tools)
         return self._cache[key]
@@ -93,6 +98,7 @@ class Episode:
     env: Any
     tools: list[Callable]
     prompt_ids: list[int]  # [P] the first turn's prompt
+    prompt: list[dict] = field(default_factory=list)  # its messages: the row's, `reset`'s observation appended
     completion_ids: list[int] = field(default_factory=list)  # [C] every id after the prompt: sampled and tool ids
     mask: list[int] = field(default_factory=list)  # [C] 1: sampled by the policy; 0: a tool's answer
     logprobs: list[float] = field(default_factory=list)  # [C] behaviour log-prob of each sampled id; 0.0 for tool ids
@@ -115,9 +121,13 @@ Sample = Callable[[list[Episode], list[int]], list[tuple[list[int], list[float]]
 TIMED_OUT = "timed out"  # the `failed` value of a call past its time limit
 
 
+Answer = tuple[str, Any, "bool | str"]  # (tool name, result or {"error": ...}, failed: True, TIMED_OUT or False)
+TurnCalls = tuple[list[dict], dict[str, Callable]]  # one episode's parsed tool calls of a turn, its tools by name
+
+
 def resolve_call(tool_call: dict, tools: dict[str, Callable]) -> tuple[str, Callable | None, dict, Any]:
     """(name, function, arguments, error answer) of one parsed call: the function is None when the call cannot run
-    (TRL's answers: an unsupported call type, an unknown tool)."""
+    (TRL's answers: an unsupported call type, an unknown tool, arguments that `**` cannot take)."""
     if tool_call.get("type") != "function":
         name = tool_call.get("name", "unknown")
         return name, None, {}, {"error": f"Unsupported tool call type: {tool_call.get('type')}"}
@@ -125,56 +135,102 @@ def resolve_call(tool_call: dict, tools: dict[str, Callable]) -> tuple[str, Call
     name = function["name"]
     if name not in tools:
         return name, None, {}, {"error": f"Tool {name} not found."}
-    arguments = function.get("arguments") or {}
-    return name, tools[name], arguments if isinstance(arguments, dict) else {}, None
+    if "arguments" not in function:  # TRL's `function["arguments"]` raises KeyError: its text is the answer
+        return name, None, {}, {"error": "'arguments'"}
+    arguments = function["arguments"]
+    if not isinstance(arguments, Mapping):  # TRL's `tool(**arguments)` raises TypeError: the answer is its text
+        return name, None, {}, {"error": f"{_function_str(tools[name])} argument after ** must be a mapping, "
+                                         f"not {type(arguments).__name__}"}
+    return name, tools[name], dict(arguments), None
 
 
-def _call(tool_call: dict, tools: dict[str, Callable]) -> tuple[str, Any, bool | str]:
-    """(name, result, failed) of one parsed call, as TRL runs it."""
-    name, func, arguments, error = resolve_call(tool_call, tools)
-    if func is None:
-        return name, error, True
-    try:
-        return name, func(**arguments), False
-    except Exception as e:  # the model's mistake, answered to the model
-        return name, {"error": str(e)}, True
+def _function_str(func: Callable) -> str:
+    """How Python names a function in a call's TypeError (CPython's `_PyObject_FunctionStr`)."""
+    qualname = getattr(func, "__qualname__", None)
+    if qualname is None:
+        return str(func)
+    module = getattr(func, "__module__", None)
+    return f"{module}.{qualname}()" if module not in (None, "builtins") else f"{qualname}()"
 
 
-def call_in_turn(calls: list[tuple[dict, dict[str, Callable]]]) -> list[tuple[str, Any, bool | str]]:
-    """`run_episodes`' default `call_tools`: each (tool call, the episode's tools by name) in turn, in this thread."""
-    return [_call(tool_call, tools) for tool_call, tools in calls]
+def call_in_turn(turns: list[TurnCalls]) -> list[list[Answer]]:
+    """`run_episodes`' default `call_tools`: each episode's calls in turn, in this thread (`async def` tools on a
+    fresh event loop), TRL's order within a turn (the module docstring)."""
+    return [_turn_in_order(calls, tools) for calls, tools in turns]
 
 
-def start_episode(row: dict, env, tools: list[Callable], turn_tokens: TurnTokens) -> Episode:
-    """An episode from its dataset row: `env.reset(**row)` (None: tools only), whose returned string is appended to
-    the last user message, and the first prompt rendered with the standalone `tools` and the environment's."""
+def _turn_in_order(calls: list[dict], tools: dict[str, Callable]) -> list[Answer]:
+    answers, pending = [], []
+    for tool_call in calls:
+        name, func, arguments, error = resolve_call(tool_call, tools)
+        if func is None:
+            answers.append((name, error, True))
+            continue
+        try:
+            if inspect.iscoroutinefunction(func):
+                pending.append((name, func(**arguments)))  # bad arguments raise here, answered in order (TRL)
+            else:
+                answers.append((name, func(**arguments), False))
+        except Exception as e:  # the model's mistake (or the tool's), answered to the model
+            answers.append((name, {"error": str(e)}, True))
+    if pending:
+        async def gather():
+            return await asyncio.gather(*(coro for _, coro in pending), return_exceptions=True)
+
+        for (name, _), result in zip(pending, asyncio.run(gather())):
+            failed = isinstance(result, Exception)
+            answers.append((name, {"error": str(result)} if failed else result, failed))
+    return answers
+
+
+def start_episode(row: dict, env, tools: list[Callable], turn_tokens: TurnTokens,
+                  multi_environment: bool = False) -> Episode:
+    """An episode from its dataset row: `env.reset(**row)` (None: tools only; with several environments the row's
+    `environment` column, which routes it, is not passed), whose returned observation is appended to the last user
+    message (text or content blocks, as TRL appends it), and the first prompt rendered with the standalone `tools`
+    and the environment's."""
     prompt = [dict(m) for m in row["prompt"]]
     all_tools = list(tools)
     try:
         if env is not None:
-            observation = env.reset(**row)
+            observation = env.reset(**({k: v for k, v in row.items() if k != "environment"}
+                                       if multi_environment else row))
             if observation is not None:
-                prompt[-1]["content"] += observation
+                content = prompt[-1]["content"]
+                if isinstance(observation, list) and isinstance(content, str):
+                    content = [{"type": "text", "text": content}]
+                if isinstance(observation, str) and isinstance(content, list):
+                    observation = [{"type": "text", "text": observation}]
+                prompt[-1]["content"] = content + observation
             all_tools += environment_tools(env)
     except Exception as e:  # the environment's fault: this episode cannot be scored, the others go on
-        return Episode(row=row, env=env, tools=all_tools, prompt_ids=[], finish="error",
+        return Episode(row=row, env=env, tools=all_tools, prompt_ids=[], prompt=prompt, finish="error",
                        error=f"reset raised {type(e).__name__}: {e}")
-    return Episode(row=row, env=env, tools=all_tools, prompt_ids=turn_tokens.prompt(prompt, all_tools))
+    return Episode(row=row, env=env, tools=all_tools, prompt_ids=turn_tokens.prompt(prompt, all_tools),
+                   prompt=prompt)
 
 
 def run_episodes(tokenizer, envs: list, rows: list[dict], sample: Sample, max_completion_length: int,
                  max_tool_calling_iterations: int, turn_tokens: TurnTokens | None = None,
-                 max_model_len: int | None = None, tools: list[Callable] = (), call_tools=call_in_turn
-                 ) -> list[Episode]:
+                 max_model_len: int | None = None, tools: list[Callable] = (), call_tools=call_in_turn,
+                 multi_environment: bool = False) -> list[Episode]:
     """Run one episode per (env, row) to its end (env None: the standalone `tools` only). `sample(episodes,
     budgets)` returns, for each episode, the ids sampled after `episode.turn_prompts[-1]` (at most `budgets[i]` of
-    them) and their log-probs. `call_tools(calls)` runs a round's calls, [(tool call, tools by name)], and returns
-    (name, result, failed) for each: `failed` True for an error, `TIMED_OUT` for a call past its time limit."""
+    them, each at least 1) and their log-probs. `call_tools(turns)` runs a round's calls, one `TurnCalls` an episode
+    calling, and returns each episode's answers (name, result, failed), one a call, in TRL's order: `failed` True
+    for an error, `TIMED_OUT` for a call past its time limit."""
     turn_tokens = turn_tokens or TurnTokens(tokenizer)
-    episodes = [start_episode(row, env, tools, turn_tokens) for env, row in zip(envs, rows, strict=True)]
+    episodes = [start_episode(row, env, tools, turn_tokens, multi_environment)
+                for env, row in zip(envs, rows, strict=True)]
     active = [e for e in episodes if not e.error]
     iteration = 0
     while active:
+        for e in active:
+            if len(e.completion_ids) >= max_completion_length:  # a tool answer filled the budget: TRL's next turn
+                e.finish = "length"  # is cut to nothing, so none is sampled
+        active = [e for e in active if e.finish != "length"]
+        if not active:
+            break
         budgets = [max_completion_length - len(e.completion_ids) for e in active]
         for e in active:
             e.turn_prompts.append(e.prompt_ids + e.completion_ids)
@@ -194,12 +250,10 @@ def run_episodes(tokenizer, envs: list, rows: list[dict], sample: Sample, max_co
             else:
                 calling.append(e)
         active = []
-        calls = [(tool_call, {t.__name__: t for t in e.tools}) for e in calling for tool_call in e.messages[-1]["tool_calls"]]
-        results = iter(call_tools(calls))
-        for e in calling:
+        turns = [(e.messages[-1]["tool_calls"], {t.__name__: t for t in e.tools}) for e in calling]
+        for e, results in zip(calling, call_tools(turns), strict=True):
             answers = []
-            for _ in e.messages[-1]["tool_calls"]:
-                name, result, failed = next(results)
+            for name, result, failed in results:
                 e.tool_calls += 1
                 e.tool_failures += bool(failed)
                 e.tool_timeouts += failed == TIMED_OUT

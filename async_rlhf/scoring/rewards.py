@@ -95,11 +95,12 @@ class RewardScorer:
 
     @torch.no_grad()
     def _model_scores(self, model, tokenizer, prompts: list[str], completions: list[str],
-                      raw_prompts: list | None = None) -> list[float]:
+                      raw_prompts: list | None = None, episode_messages: list | None = None) -> list[float]:
         if self.trl_arguments and raw_prompts is not None and isinstance(raw_prompts[0], list):
-            # TRL: the reward tokenizer's own chat template over the prompt and completion messages
-            texts = [tokenizer.apply_chat_template(p + [{"role": "assistant", "content": c}], tokenize=False)
-                     for p, c in zip(raw_prompts, completions)]
+            # TRL: the reward tokenizer's own chat template over the prompt and completion messages (a multi-turn
+            # episode's: its turns and the tools' answers)
+            replies = episode_messages or [[{"role": "assistant", "content": c}] for c in completions]
+            texts = [tokenizer.apply_chat_template(p + r, tokenize=False) for p, r in zip(raw_prompts, replies)]
         elif self.trl_arguments and raw_prompts is not None:
             texts = [p + c for p, c in zip(raw_prompts, completions)]
         else:
@@ -119,7 +120,11 @@ class RewardScorer:
         """Returns (scores [N] float tensor, NaN where skipped; per-function raw scores {name: [N]}). `raw_prompts`:
         each completion's prompt as the dataset holds it (text or messages), used with `trl_arguments`. `episodes`:
         each completion's `Completion.episode` (multi-turn): functions then get its messages as the completion and
-        `environments=` (`EnvironmentState`s), and an unscorable episode's score is NaN."""
+        `environments=` (`EnvironmentState`s) when the run has environments, and an unscorable episode (its
+        environment failed) is kept out of every function, its score NaN."""
+        if episodes and any(e.get("error") for e in episodes):
+            return self._score_scorable(prompts, completions, completion_ids, finished, prompt_ids, columns,
+                                        raw_prompts, episodes)
         per_func: dict[str, list[float]] = {}
         total = torch.zeros(len(completions))
         trl = self.trl_arguments and raw_prompts is not None
@@ -130,9 +135,12 @@ class RewardScorer:
             func_prompts = raw_prompts
             func_completions = [[{"role": "assistant", "content": c}] for c in completions] if conversational \
                 else completions
-            if episodes:  # TRL: the episode's turns as parsed, with the tools' answers
+            if episodes:  # TRL: the episode's turns as parsed, with the tools' answers, after the prompt `reset`
+                # extended; the environments only where the run has them (TRL passes none for tools alone)
+                func_prompts = [e.get("prompt") or p for e, p in zip(episodes, raw_prompts)]
                 func_completions = [e["messages"] for e in episodes]
-                columns = {**columns, "environments": [EnvironmentState(e) for e in episodes]}
+                if any(e.get("env") for e in episodes):
+                    columns = {**columns, "environments": [EnvironmentState(e) for e in episodes]}
             unscored = torch.ones(len(completions), dtype=torch.bool)  # no function scored it (yet)
         else:
             func_prompts, func_completions = prompts, completions
@@ -140,7 +148,8 @@ class RewardScorer:
             raised_now = False
             try:
                 if is_model:
-                    values = self._model_scores(func, tok, prompts, completions, raw_prompts if trl else None)
+                    values = self._model_scores(func, tok, prompts, completions, func_prompts if trl else None,
+                                                episode_messages=func_completions if trl and episodes else None)
                 else:
                     extra = self.extra_kwargs() if trl else {}
                     values = func(prompts=func_prompts, completions=func_completions, completion_ids=completion_ids,
@@ -186,9 +195,30 @@ class RewardScorer:
                                "at least one reward function returns a valid reward.", row)
         if self.missing_eos_penalty is not None:
             total -= self.missing_eos_penalty * (~torch.tensor(finished)).float()
-        if episodes:  # an environment failed: out of its group's statistics (NaN), counted as skipped
-            total[torch.tensor([bool(e["error"]) for e in episodes])] = float("nan")
         self.skipped += int(torch.isnan(total).sum())
+        return total, per_func
+
+    def _score_scorable(self, prompts, completions, completion_ids, finished, prompt_ids, columns, raw_prompts,
+                        episodes):
+        """`score` of the episodes whose environment did not fail; the others NaN (out of their group's statistics)
+        in the total and in every function's scores, counted as skipped."""
+        keep = [i for i, e in enumerate(episodes) if not e.get("error")]
+        total = torch.full((len(completions),), float("nan"))
+        per_func = {name: [float("nan")] * len(completions) for name in self.names}
+        self.skipped += len(completions) - len(keep)
+        if not keep:
+            return total, per_func
+
+        def pick(values):
+            return None if values is None else [values[i] for i in keep]
+
+        kept_total, kept_funcs = self.score(
+            pick(prompts), pick(completions), pick(completion_ids), pick(finished), pick(prompt_ids),
+            None if columns is None else {k: pick(v) for k, v in columns.items()}, pick(raw_prompts), pick(episodes))
+        total[torch.tensor(keep)] = kept_total
+        for name, values in kept_funcs.items():
+            for i, value in zip(keep, values):
+                per_func[name][i] = value
         return total, per_func
 
 

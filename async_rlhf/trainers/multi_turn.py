@@ -53,9 +53,10 @@ class MultiTurn:
             self.factories = {None: environment_factory}
         self.env_tools: dict = {}  # environment name -> its methods' names (as tools)
         self.reward_classes: list[str] = []  # environment classes that own a reward (get_reward), in order
+        self.instances: dict = {}  # environment name -> the one instance made here (schemas, prompts: never reset)
         for name, factory in (self.factories or {}).items():
             _check_pickles(factory, f"environment_factory{'' if name is None else f'[{name!r}]'}")
-            instance = factory()
+            instance = self.instances[name] = factory()
             members = dict(inspect.getmembers(type(instance), predicate=inspect.isfunction))
             if "reset" not in members:
                 raise ConfigError(f"environment_factory: {type(instance).__name__} has no `reset` method; each "
@@ -178,11 +179,11 @@ class MultiTurn:
         return ids, kept, rows
 
     def _tool_stubs(self, name) -> list:
-        """The tools a row's prompt is rendered with: standalone ones and its environment's, from a fresh instance."""
+        """The tools a row's prompt is rendered with: standalone ones and its environment's (of the instance the
+        checks made: the learner calls each factory once, as TRL's checks do)."""
         tools = list(self.tools)
         if self.factories is not None:
-            instance = self.factories[name]()
-            tools += [getattr(instance, m) for m in self.env_tools[name]]
+            tools += [getattr(self.instances[name], m) for m in self.env_tools[name]]
         return tools
 
     def spec(self, tokenizer, args):

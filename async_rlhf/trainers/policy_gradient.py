@@ -113,7 +113,8 @@ def trl_metrics(trainer, t: PolicyTerms, count_tokens: bool = True) -> dict[str,
     out.update(episode_metrics(t.seq.completions))
     if not count_tokens:
         return out
-    tokens = torch.tensor(float(t.seq.attention_mask.sum()), device=mask.device)
+    answers = sum(len(c.token_ids) - c.num_sampled for c in t.seq.completions)  # TRL: prompts and sampled tokens
+    tokens = torch.tensor(float(t.seq.attention_mask.sum()) - answers, device=mask.device)
     if trainer.accelerator.num_processes > 1:  # every rank computes a micro-batch in step: a safe collective
         tokens = trainer.accelerator.reduce(tokens, reduction="sum")
     trainer.state.num_input_tokens_seen += int(tokens.item())

@@ -6,10 +6,13 @@ instance (made by the run's factory for the row's `environment`, pooled and reus
 once, reset often"), is reset with its row, and then alternates turns sampled by this process's backend with rounds
 of tool calls (`data/tool_episodes.run_episodes`: the turn-building rules and their guarantee). What this module adds
 is where and how the tools run:
-* every call of a round runs at once, synchronous tools on a thread pool and `async def` tools on one event loop
-  thread, so a slow environment holds its own episode's answer, not the other episodes' calls;
-* a call past `tool_timeout` seconds answers `{"error": "tool ... timed out after ... s"}` to the model and is counted
-  (`tool_timeouts`, and as a failure); its environment instance is not reused, since its call may still be running;
+* the episodes of a round make their calls at once, each on one event loop thread (synchronous tools on a thread
+  pool), so a slow environment holds its own episode's answer, not the other episodes'; within one episode's turn the
+  calls keep TRL's order (synchronous ones one after another, then the `async def` ones together), since they share
+  its environment;
+* a call past `tool_timeout` seconds from its start answers `{"error": "tool ... timed out after ... s"}` to the
+  model and is counted (`tool_timeouts`, and as a failure); the episode's later calls of that turn are not run
+  (answered as such, failures); its environment instance is not reused, since its call may still be running;
 * an exception in `reset` or `get_reward` leaves the episode unscorable (`Completion.episode["error"]`, its reward
   NaN, out of its group's statistics), never the generator's death.
 Every sampled token keeps its behaviour log-prob and mask 1; tool answers mask 0 (`Completion.mask`). Weights load
@@ -35,10 +38,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from async_rlhf.data.tool_episodes import TIMED_OUT, Episode, TurnTokens, resolve_call, run_episodes
+from async_rlhf.data.tool_episodes import TIMED_OUT, Answer, Episode, TurnCalls, TurnTokens, resolve_call, run_episodes
 from async_rlhf.types import Completion, GenerationRequest
 
-TOOL_THREADS = 64  # synchronous tool calls running at once in one generator
+TOOL_THREADS = 256  # synchronous tool calls running at once in one generator (threads made as calls need them); a
+# call's time limit runs from its start, and a call queued behind this many waits at most one limit more
 
 
 @dataclass
@@ -103,7 +107,8 @@ class EpisodeRunner:
 
         episodes = run_episodes(self.spec.tokenizer, envs, rows, sample, self.spec.max_completion_length,
                                 self._iterations(), self.turn_tokens, self.spec.max_model_len,
-                                tools=self.spec.tools, call_tools=self.call_tools)
+                                tools=self.spec.tools, call_tools=self.call_tools,
+                                multi_environment=list(self.spec.environment_factories or [None]) != [None])
         completions = [self._completion(e, name, spans.get(id(e), [])) for e, name in zip(episodes, names)]
         for e, name in zip(episodes, names):
             if e.env is not None and not e.tool_timeouts:  # a timed-out call may still run: not reused
@@ -146,34 +151,79 @@ class EpisodeRunner:
             threading.Thread(target=self._loop.run_forever, name="tool-event-loop", daemon=True).start()
         return self._loop
 
-    def _start(self, func: Callable, arguments: dict) -> concurrent.futures.Future:
-        if inspect.iscoroutinefunction(func):
-            return asyncio.run_coroutine_threadsafe(func(**arguments), self._event_loop())
-        return self.threads.submit(func, **arguments)
+    def call_tools(self, turns: list[TurnCalls]) -> list[list[Answer]]:
+        """`run_episodes`' `call_tools`: the episodes' calls at once, each within `tool_timeout` seconds of its start
+        (module docstring)."""
+        if not turns:
+            return []
+        future = asyncio.run_coroutine_threadsafe(self._round(turns), self._event_loop())
+        longest = max(len(calls) for calls, _ in turns)
+        limit = 2 * self.spec.tool_timeout * longest + 60.0  # each call: a queued wait and a run, each bounded
+        try:
+            return future.result(timeout=limit)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise RuntimeError(f"a round of tool calls took over {limit:g} s though every call has a "
+                               f"{self.spec.tool_timeout:g} s limit: the tool event loop is blocked (an `async def` "
+                               "tool that does not await?)") from None
 
-    def call_tools(self, calls: list[tuple[dict, dict[str, Callable]]]) -> list[tuple[str, Any, bool | str]]:
-        """`run_episodes`' `call_tools`: every call of the round at once, each within `tool_timeout` seconds."""
-        started = []
-        for tool_call, tools in calls:
+    async def _round(self, turns: list[TurnCalls]) -> list[list[Answer]]:
+        return list(await asyncio.gather(*(self._turn(calls, tools) for calls, tools in turns)))
+
+    async def _turn(self, calls: list[dict], tools: dict[str, Callable]) -> list[Answer]:
+        """One episode's calls of a turn, in TRL's order (`data/tool_episodes.py`); after a call times out, the turn's
+        later calls are answered without running (its environment may still be busy with it)."""
+        answers, pending = [], []
+        for tool_call in calls:
             name, func, arguments, error = resolve_call(tool_call, tools)
-            try:
-                started.append((name, None if func is None else self._start(func, arguments), error))
-            except Exception as e:  # bad arguments for an async tool: raised when the coroutine is made
-                started.append((name, None, {"error": str(e)}))
-        deadline = time.monotonic() + self.spec.tool_timeout
-        out = []
-        for name, future, error in started:
-            if future is None:
-                out.append((name, error, True))
-                continue
-            try:
-                out.append((name, future.result(timeout=max(0.0, deadline - time.monotonic())), False))
-            except concurrent.futures.TimeoutError:
-                future.cancel()
-                out.append((name, {"error": f"tool {name!r} timed out after {self.spec.tool_timeout:g} s"}, TIMED_OUT))
-            except Exception as e:  # the model's mistake (or the tool's), answered to the model
-                out.append((name, {"error": str(e)}, True))
-        return out
+            if func is None:
+                answers.append((name, error, True))
+            elif any(failed == TIMED_OUT for _, _, failed in answers):
+                answers.append((name, {"error": f"tool {name!r} not run: an earlier call of this turn timed out"},
+                                True))
+            elif inspect.iscoroutinefunction(func):
+                try:
+                    pending.append((name, func(**arguments)))
+                except Exception as e:  # bad arguments: raised when the coroutine is made, answered in order (TRL)
+                    answers.append((name, {"error": str(e)}, True))
+            else:
+                answers.append(await self._sync_call(name, func, arguments))
+        if any(failed == TIMED_OUT for _, _, failed in answers):
+            for name, coro in pending:
+                coro.close()
+                answers.append((name, {"error": f"tool {name!r} not run: an earlier call of this turn timed out"},
+                                True))
+        else:
+            answers += await asyncio.gather(*(self._bounded(name, coro) for name, coro in pending))
+        return answers
+
+    async def _sync_call(self, name: str, func: Callable, arguments: dict) -> Answer:
+        loop = asyncio.get_running_loop()
+        started = loop.create_future()
+
+        def work():
+            loop.call_soon_threadsafe(_settle, started)
+            return func(**arguments)
+
+        done = loop.run_in_executor(self.threads, work)
+        waited, _ = await asyncio.wait({started}, timeout=self.spec.tool_timeout)
+        if not waited:  # every tool thread busy (calls past their limit hold theirs) for a whole limit
+            done.cancel()
+            return name, {"error": f"tool {name!r} waited {self.spec.tool_timeout:g} s for one of "
+                                   f"{TOOL_THREADS} tool threads"}, TIMED_OUT
+        return await self._bounded(name, done)
+
+    async def _bounded(self, name: str, awaitable) -> Answer:
+        """(name, result, False), or the error answer of a call that raised or ran past `tool_timeout`."""
+        task = asyncio.ensure_future(awaitable)
+        finished, _ = await asyncio.wait({task}, timeout=self.spec.tool_timeout)
+        if not finished:
+            task.cancel()  # an async tool is cancelled; a thread's call runs on, unheard
+            return name, {"error": f"tool {name!r} timed out after {self.spec.tool_timeout:g} s"}, TIMED_OUT
+        try:
+            return name, task.result(), False
+        except Exception as e:  # the model's mistake (or the tool's), answered to the model
+            return name, {"error": str(e)}, True
 
     def _reward(self, env) -> tuple[dict, str]:
         """({class name: get_reward()}, error): {} when the environment has no `get_reward`."""
@@ -197,6 +247,7 @@ class EpisodeRunner:
         finish = "stop" if ids and ids[-1] in self.stop_ids else "length"
         episode = {"turns": e.turns, "tool_calls": e.tool_calls, "tool_failures": e.tool_failures,
                    "tool_timeouts": e.tool_timeouts, "finish": e.finish, "messages": _json(e.messages),
+                   "prompt": _json(e.prompt),
                    "env": type(e.env).__name__ if e.env is not None else "", "environment": name,
                    "rewards": rewards, "state": snapshot(e.env), "error": e.error or error}
         return Completion(token_ids=list(ids), logprobs=list(e.logprobs), finish_reason=finish, mask=list(e.mask),
@@ -207,6 +258,11 @@ class EpisodeRunner:
         self.threads.shutdown(wait=False, cancel_futures=True)
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
+
+
+def _settle(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def snapshot(env) -> dict:

@@ -97,3 +97,40 @@ def test_rloo_baseline_averages_scorable_siblings_only():
     assert a[1, 0] == -2.0 and math.isnan(a[1, 1]) and a[1, 2] == 2.0
     # row 2: the only scorable completion has no sibling: 0/0 = NaN (the trainer zeroes it, as TRL)
     assert torch.isnan(a[2]).all()
+
+
+def _episode(error="", env="GuessEnv", prompt=None):
+    return {"messages": [{"role": "assistant", "content": "guess"}], "env": env, "state": {"solved": True},
+            "rewards": {}, "error": error, "prompt": prompt or CHAT}
+
+
+def test_episodes_pass_their_reset_prompt_and_unscorable_ones_reach_no_function():
+    """Multi-turn: the prompt as `reset` extended it (TRL passes that one), the episode's messages, `environments=`;
+    an episode whose environment failed is kept out of every function (one reading `completion[0]` would raise on
+    it) and is NaN, counted as skipped."""
+    seen = {}
+
+    def f(prompts, completions, environments, **kwargs):
+        seen.update(prompts=prompts, solved=[e.solved for e in environments])
+        return [float(len(c[0]["content"])) for c in completions]
+
+    scorer = _scorer(f)
+    extended = [{"role": "user", "content": "hi (secret 3)"}]
+    episodes = [_episode(prompt=extended), _episode(error="reset raised RuntimeError: x"), _episode()]
+    episodes[1]["messages"] = []
+    total, per_func = scorer.score(["t"] * 3, ["a", "", "c"], [[1], [], [2]], [True] * 3, [0, 0, 1], {"k": [1, 2, 3]},
+                                   raw_prompts=[CHAT] * 3, episodes=episodes)
+    assert seen == {"prompts": [extended, CHAT], "solved": [True, True]}
+    assert total[0] == total[2] == 5.0 and math.isnan(total[1]) and math.isnan(per_func["f"][1])
+    assert scorer.skipped == 1
+
+
+def test_tools_without_environments_pass_no_environments():
+    seen = {}
+
+    def f(completions, **kwargs):
+        seen.update(keys=set(kwargs))
+        return [1.0] * len(completions)
+
+    _scorer(f).score(["t"], ["a"], [[1]], [True], [0], {}, raw_prompts=[CHAT], episodes=[_episode(env="")])
+    assert "environments" not in seen["keys"]

@@ -5,7 +5,10 @@ environment, and serving that cannot run episodes are refused with the name of w
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 from datasets import Dataset
 
 from async_rlhf.data import guess_task as g
@@ -13,6 +16,7 @@ from async_rlhf.errors import ConfigError, DatasetError
 from async_rlhf.learner.logprobs import behaviour_logps, pack_sequences
 from async_rlhf.scoring.rewards import EnvironmentReward, EnvironmentState
 from async_rlhf.trainers.multi_turn import MultiTurn, start_multi_turn
+from async_rlhf.trainers.policy_gradient import PolicyTerms, trl_metrics
 from async_rlhf.types import Completion
 
 
@@ -91,3 +95,15 @@ def test_tool_answers_are_out_of_the_loss_and_log_probs_stay_with_their_tokens()
     mask = comp[:, 1:].float()  # position t scores token t + 1, as `token_logps` lays it out
     assert behaviour_logps([c], mask)[0].tolist() == [0.0, -1.0, -2.0, 0.0, 0.0, -3.0]
     assert c.num_sampled == 3 and not c.sampled(2)
+
+
+def test_num_tokens_counts_prompts_and_sampled_tokens_not_tool_answers():
+    """TRL's `num_tokens` counts each prompt and the tokens the policy sampled (`tool_mask` 1), not tool answers."""
+    c = Completion(token_ids=[5, 6, 7, 8, 9], logprobs=[-1.0, -2.0, 0.0, 0.0, -3.0], finish_reason="stop",
+                   mask=[1, 1, 0, 0, 1])
+    ids, attn, comp = pack_sequences([[1, 2]], [c.token_ids], pad_id=0, max_length=64, masks=[c.mask])
+    seq = SimpleNamespace(mask=comp[:, 1:].float(), completions=[c], logps=torch.zeros(1, 6), attention_mask=attn)
+    trainer = SimpleNamespace(state=SimpleNamespace(num_input_tokens_seen=0), _metrics={},
+                              accelerator=SimpleNamespace(num_processes=1))
+    trl_metrics(trainer, PolicyTerms(seq, seq.mask, torch.zeros(1), torch.tensor([True])))
+    assert trainer.state.num_input_tokens_seen == 5 and trainer._metrics["num_tokens"] == [5.0]  # 2 + 3, not 7

@@ -12,8 +12,10 @@ import dataclasses
 import functools
 import time
 
+import pytest
+
 from async_rlhf.data import guess_task as g
-from async_rlhf.data.tool_episodes import TurnTokens
+from async_rlhf.data.tool_episodes import TurnTokens, resolve_call
 from async_rlhf.generation.engine.episodes import EpisodeRunner, EpisodeSpec
 from async_rlhf.types import Completion, GenerationRequest, SamplingSettings
 
@@ -24,11 +26,13 @@ def tokenizer():
 
 
 class SameTurn:
-    """A backend whose every sample is one assistant turn calling `tool(**arguments)`, log-prob -0.25 a token."""
+    """A backend whose every sample is one assistant turn calling `tool(**arguments)` (or each (tool, arguments) of
+    `calls`, in order), log-prob -0.25 a token."""
 
-    def __init__(self, tool: str, arguments: dict):
+    def __init__(self, tool: str = "", arguments: dict | None = None, calls: list[tuple[str, dict]] = ()):
+        calls = list(calls) or [(tool, arguments)]
         message = {"role": "assistant", "content": "", "tool_calls": [
-            {"type": "function", "function": {"name": tool, "arguments": arguments}}]}
+            {"type": "function", "function": {"name": name, "arguments": args}} for name, args in calls]}
         self.ids = TurnTokens(tokenizer()).assistant(message)
         self.prompts: list[list[int]] = []
 
@@ -82,8 +86,45 @@ class BadRewardEnv(SlowEnv):
         raise RuntimeError("judge unreachable")
 
 
-def request(rows: int, n: int = 2) -> GenerationRequest:
-    data = [{**row, "secret": i} for i, row in enumerate(g.make_split(rows, 0, "test"))]
+class OrderEnv:
+    """Records when each of its calls ran: `note` (synchronous) and `later` (async), each `seconds` long."""
+
+    def reset(self, **row):
+        self.log = []
+
+    def note(self, seconds: float) -> str:
+        """Note a call.
+
+        Args:
+            seconds: how long it takes
+        """
+        start = time.monotonic()
+        time.sleep(seconds)
+        self.log.append(("note", start, time.monotonic()))
+        return f"note {len(self.log)}"
+
+    async def later(self, seconds: float) -> str:
+        """Note a call, asynchronously.
+
+        Args:
+            seconds: how long it takes
+        """
+        start = time.monotonic()
+        await asyncio.sleep(seconds)
+        self.log.append(("later", start, time.monotonic()))
+        return f"later {len(self.log)}"
+
+
+class StrictEnv(SlowEnv):
+    """A `reset` with named parameters only, as a user writes one for a routed dataset."""
+
+    def reset(self, prompt, secret, seed):
+        self.calls = 0
+        return [{"type": "text", "text": f" (secret {secret})"}]  # content blocks, as a multimodal env returns
+
+
+def request(rows: int, n: int = 2, **columns) -> GenerationRequest:
+    data = [{**row, "secret": i, **columns} for i, row in enumerate(g.make_split(rows, 0, "test"))]
     return GenerationRequest(batch_id=0, prompt_ids=list(range(rows)), prompt_token_ids=[[1]] * rows,
                              settings=SamplingSettings(max_new_tokens=256, n=n, seed=3), rows=data)
 
@@ -176,3 +217,68 @@ def test_unknown_tools_and_bad_arguments_are_answered_and_counted():
     assert (e["tool_calls"], e["tool_failures"]) == (1, 1) and "Tool peek not found." in e["messages"][1]["content"]
     _, groups = runner(SlowEnv, SameTurn("wait", {"minutes": 1}), max_tool_calling_iterations=1).run(request(1, n=1))
     assert groups[0][0].episode["tool_failures"] == 1 and "minutes" in groups[0][0].episode["messages"][1]["content"]
+
+
+def test_a_turns_calls_keep_trls_order_one_after_another_then_the_async_ones():
+    """TRL's `_tool_call_loop`: synchronous calls in the order made, one after another (they share the environment),
+    then the `async def` ones together; the answers in that order. Episodes still run theirs at once."""
+    calls = [("later", {"seconds": 0.05}), ("note", {"seconds": 0.05}), ("note", {"seconds": 0.0})]
+    r = runner(OrderEnv, SameTurn(calls=calls), max_tool_calling_iterations=1)
+    _, groups = r.run(request(1, n=2))
+    for c in groups[0]:
+        answers = [m["content"] for m in c.episode["messages"] if m["role"] == "tool"]
+        assert answers == ["note 1", "note 2", "later 3"]
+        log = [tuple(entry) for entry in c.episode["state"]["log"]]
+        assert [name for name, _, _ in log] == ["note", "note", "later"]
+        assert log[1][1] >= log[0][2] and log[2][1] >= log[1][2]  # none started before the one before it ended
+    r.close()
+
+
+def test_a_timed_out_call_leaves_the_turns_later_calls_unrun():
+    calls = [("wait", {"seconds": 3.0}), ("wait", {"seconds": 0.0})]
+    r = runner(SlowEnv, SameTurn(calls=calls), tool_timeout=0.3, max_tool_calling_iterations=1)
+    _, groups = r.run(request(1, n=1))
+    e = groups[0][0].episode
+    assert (e["tool_calls"], e["tool_failures"], e["tool_timeouts"]) == (2, 2, 1)
+    assert "not run: an earlier call of this turn timed out" in e["messages"][2]["content"]
+    r.close()
+
+
+def test_a_tool_answer_that_fills_the_budget_exactly_ends_the_episode_without_sampling_nothing():
+    """TRL keeps an answer that reaches `max_completion_length` exactly and cuts the next turn to nothing; a backend
+    asked for 0 ids would refuse (vLLM's max_tokens >= 1), so no turn is sampled."""
+    backend = SameTurn("wait", {"seconds": 0.0})
+    answer = TurnTokens(tokenizer()).tool_suffix([{"role": "tool", "name": "wait", "content": "done"}])
+    budget = len(backend.ids) + len(answer)
+    _, groups = runner(SlowEnv, backend, max_completion_length=budget).run(request(1, n=2))
+    for c in groups[0]:
+        assert c.token_ids == backend.ids + answer and c.mask == [1] * len(backend.ids) + [0] * len(answer)
+        assert (c.episode["turns"], c.episode["finish"], c.finish_reason) == (1, "length", "length")
+    assert len(backend.prompts) == 2  # one turn each
+
+
+def test_a_routed_reset_gets_the_row_without_its_environment_column_and_content_blocks_append():
+    spec = EpisodeSpec(tokenizer=tokenizer(), environment_factories={"strict": StrictEnv, "slow": SlowEnv},
+                       max_completion_length=256, max_tool_calling_iterations=0, tool_timeout=5.0)
+    _, groups = EpisodeRunner(spec, SameTurn("wait", {"seconds": 0.0})).run(request(2, n=1, environment="strict"))
+    for p, group in enumerate(groups):
+        e = group[0].episode
+        assert e["error"] == "" and e["env"] == "StrictEnv"
+        assert e["prompt"][-1]["content"][-1] == {"type": "text", "text": f" (secret {p})"}
+
+
+def wait_tool(seconds: float) -> str:
+    return "done"
+
+
+def test_arguments_that_are_not_a_mapping_are_answered_as_trl_answers_them():
+    def call(function: dict):
+        return resolve_call({"type": "function", "function": {"name": "wait", **function}}, {"wait": wait_tool})
+
+    answer = call({"arguments": "3"})[3]
+    assert answer == {"error": f"{__name__}.wait_tool() argument after ** must be a mapping, not str"}
+    with pytest.raises(TypeError) as raised:
+        wait_tool(**"3")
+    assert str(raised.value) == answer["error"]  # Python's own text, which TRL answers
+    assert call({})[3] == {"error": "'arguments'"}  # TRL's `function["arguments"]` KeyError, as text
+    assert call({"arguments": {"seconds": 1}})[1:3] == (wait_tool, {"seconds": 1})
