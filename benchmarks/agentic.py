@@ -5,6 +5,7 @@ tool call.
     python benchmarks/agentic.py --quick                       # latency 0.2 s, 1 seed, 8 steps: a smoke run
     python benchmarks/agentic.py --latencies 0 0.05 0.2 --seeds 0 --steps 12
     python benchmarks/agentic.py --to_threshold --trainers ours trl --seeds 0  # time to held-out success 0.9
+    python benchmarks/agentic.py --summarize outputs/agentic  # those runs' table: x TRL per seed, geometric means
 
 Both trainers start from the task's SFT policy, train with the same GRPO settings (`launch/configs/grpo_guess.yaml`'s
 learning rate, beta 0, episodes of up to 5 rounds in 256 ids) on `--prompts` prompts x 8 episodes a step, and the
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import subprocess
@@ -208,6 +210,64 @@ def threshold_table(results: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def summarize(dirs: list[str]) -> str:
+    """Time to the threshold from the child results (`*.json`) of `--to_threshold` runs in `dirs`: each of ours
+    against TRL's at the same seed, where TRL ran at that latency, else against TRL's lower bound there: its clock
+    without latency plus latency x its calls to the threshold (its `_tool_call_loop` makes them one after the other,
+    so they cannot take less; the same seed makes the same calls at any latency). Per seed, then the geometric mean
+    of the ratios with a 95% t-interval over seeds."""
+    runs = {}
+    for d in dirs:
+        for name in sorted(os.listdir(d)):
+            if name.endswith(".json") and name != "results.json":
+                r = json.load(open(os.path.join(d, name)))
+                if r.get("threshold_step") is not None:
+                    runs[(r["trainer"], r["max_staleness"], r["latency"], r["seed"])] = r  # a later dir wins
+    trl = {(lat, seed): r for (trainer, _, lat, seed), r in runs.items() if trainer == "trl"}
+    rows = ["| ours | latency s | seed | steps to it | ours s | TRL s | TRL measured or bound | x TRL |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+    ratios: dict = {}
+    for (trainer, stale, lat, seed), r in sorted(runs.items(), key=lambda kv: (kv[0][2], kv[0][1] or 0, kv[0][3])):
+        if trainer != "ours":
+            continue
+        peer = trl.get((lat, seed))
+        how = "measured"
+        if peer is not None:
+            trl_s = peer["threshold_clock_seconds"]
+        elif (0.0, seed) in trl:
+            base = trl[(0.0, seed)]
+            trl_s, how = base["threshold_clock_seconds"] + lat * base["threshold_tool_calls"], "bound"
+        else:
+            continue
+        ratio = trl_s / r["threshold_clock_seconds"]
+        ratios.setdefault((stale, lat), []).append(ratio)
+        rows.append(f"| S={stale} | {lat:g} | {seed} | {r['threshold_step']} | {r['threshold_clock_seconds']:.1f} | "
+                    f"{trl_s:,.1f} | {how} | {ratio:.2f} |")
+    sync = {}  # asynchrony: ours at S >= 1 against ours at S = 0, same latency and seed
+    for (trainer, stale, lat, seed), r in runs.items():
+        base = runs.get(("ours", 0, lat, seed))
+        if trainer == "ours" and stale and base is not None:
+            sync.setdefault((stale, lat), []).append(base["threshold_clock_seconds"] / r["threshold_clock_seconds"])
+    rows += ["", "| ours | latency s | x TRL, geometric mean [95% t] | x ours at S=0 |", "| --- | ---: | --- | --- |"]
+    for (stale, lat), values in sorted(ratios.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        against_sync = _geometric(sync[(stale, lat)]) if (stale, lat) in sync else ""
+        rows.append(f"| S={stale} | {lat:g} | {_geometric(values)} | {against_sync} |")
+    return "\n".join(rows)
+
+
+def _geometric(values: list[float]) -> str:
+    """The geometric mean of ratios, with a 95% t-interval (on their logs) when there are several; their count."""
+    logs = [math.log(v) for v in values]
+    mean = sum(logs) / len(logs)
+    if len(logs) == 1:
+        return f"{math.exp(mean):.2f} (1 seed)"
+    from scipy import stats
+
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (len(logs) - 1))
+    half = stats.t.ppf(0.975, len(logs) - 1) * sd / math.sqrt(len(logs))
+    return f"{math.exp(mean):.2f} [{math.exp(mean - half):.2f}, {math.exp(mean + half):.2f}] ({len(logs)} seeds)"
+
+
 def table(results: list[dict]) -> str:
     rows = ["| latency s | trainer | seed | clock s | episodes/s | x TRL's episodes/s | train reward first -> last | "
             "held-out success |", "| ---: | --- | ---: | ---: | ---: | ---: | --- | ---: |"]
@@ -227,7 +287,8 @@ def main(argv=None):
     p.add_argument("--latencies", type=float, nargs="+", default=None,
                    help="seconds a tool call waits (default: 0 0.05 0.2; with --to_threshold: 0)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
-    p.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2], help="ours: max_staleness values")
+    p.add_argument("--staleness", type=int, nargs="+", default=None,
+                   help="ours: max_staleness values (default: 0 1 2; with --to_threshold: 1)")
     p.add_argument("--trainers", nargs="+", default=["trl", "ours"], choices=["trl", "ours"])
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--prompts", type=int, default=4, help="prompts a step (x --generations episodes)")
@@ -242,7 +303,9 @@ def main(argv=None):
     p.add_argument("--to_threshold", action="store_true",
                    help="time to held-out success 0.9: evals/results/guess_grpo's s01 setting (16 prompts x 16 "
                         "episodes, lr 3e-4 cosine, warm-up 0.1, the 1200-step SFT policy), up to 240 steps, 256 "
-                        "held-out episodes every 10 steps, S=1, latency 0 unless --latencies")
+                        "held-out episodes every 10 steps, S=1 and latency 0 unless given")
+    p.add_argument("--summarize", nargs="+", metavar="DIR", default=None,
+                   help="print the time-to-threshold table of earlier --to_threshold output dirs (no runs)")
     p.add_argument("--run_timeout", type=float, default=1800.0)
     p.add_argument("--output_dir", default="outputs/agentic")
     p.add_argument("--quick", action="store_true", help="latency 0.2, seed 0, S=1, 8 steps, 64 held-out episodes")
@@ -252,6 +315,9 @@ def main(argv=None):
     p.add_argument("--max_staleness", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--json", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.summarize:
+        print(summarize(args.summarize))
+        return None
     if args.child:
         result = child(args)
         with open(args.json, "w") as f:
@@ -261,10 +327,12 @@ def main(argv=None):
         args.latencies, args.seeds, args.staleness, args.steps, args.eval_episodes = [0.2], [0], [1], 8, 64
     if args.to_threshold:
         args.latencies = args.latencies or [0.0]
-        args.staleness, args.steps, args.prompts, args.generations = [1], 240, 16, 16
+        args.staleness = args.staleness or [1]
+        args.steps, args.prompts, args.generations = 240, 16, 16
         args.learning_rate, args.lr_scheduler_type, args.warmup_steps, args.sft_steps = 3e-4, "cosine", 0.1, 1200
         args.eval_episodes, args.eval_every, args.threshold = 256, 10, 0.9
     args.latencies = args.latencies or [0.0, 0.05, 0.2]
+    args.staleness = args.staleness if args.staleness is not None else [0, 1, 2]
     out_dir = os.path.abspath(args.output_dir)
     os.makedirs(out_dir, exist_ok=True)
     results = []
