@@ -67,8 +67,6 @@ class EpisodeRunner:
         self.spec = spec
         self.backend = backend
         self.turn_tokens = TurnTokens(spec.tokenizer, spec.chat_template_kwargs)
-        eos = spec.tokenizer.eos_token_id
-        self.stop_ids = {eos, spec.tokenizer.pad_token_id} - {None}
         self.threads = concurrent.futures.ThreadPoolExecutor(TOOL_THREADS, thread_name_prefix="tool")
         self._loop: asyncio.AbstractEventLoop | None = None
         self.free: dict = {name: [] for name in (spec.environment_factories or {})}  # reusable instances
@@ -87,6 +85,7 @@ class EpisodeRunner:
         settings = request.settings
 
         spans: dict[int, list[list[int]]] = {}  # id(episode) -> [[version, first completion token], ...]
+        stops: dict[int, str] = {}  # id(episode) -> how its last sampled turn ended, as the backend says
         current = version
 
         def sample(episodes: list[Episode], budgets: list[int]):
@@ -100,6 +99,7 @@ class EpisodeRunner:
             one = dataclasses.replace(settings, n=1, seed=seed, max_new_tokens=max(budgets))
             groups = self.backend.generate([e.turn_prompts[-1] for e in episodes], one, budgets)
             for e, g in zip(episodes, groups):
+                stops[id(e)] = g[0].finish_reason
                 own = spans.setdefault(id(e), [[current, 0]])
                 if g[0].token_ids and own[-1][0] != current:
                     own.append([current, len(e.completion_ids)])  # this turn's first sampled token
@@ -109,7 +109,8 @@ class EpisodeRunner:
                                 self._iterations(), self.turn_tokens, self.spec.max_model_len,
                                 tools=self.spec.tools, call_tools=self.call_tools,
                                 multi_environment=list(self.spec.environment_factories or [None]) != [None])
-        completions = [self._completion(e, name, spans.get(id(e), [])) for e, name in zip(episodes, names)]
+        completions = [self._completion(e, name, spans.get(id(e), []), stops.get(id(e), "length"))
+                       for e, name in zip(episodes, names)]
         for e, name in zip(episodes, names):
             if e.env is not None and not e.tool_timeouts:  # a timed-out call may still run: not reused
                 self.free[name].append(e.env)
@@ -241,10 +242,13 @@ class EpisodeRunner:
             return {}, f"get_reward raised {type(e).__name__}: {e}"
         return {type(env).__name__: value}, ""
 
-    def _completion(self, e: Episode, name, spans: list[list[int]]) -> Completion:
+    def _completion(self, e: Episode, name, spans: list[list[int]], last_stop: str) -> Completion:
+        """The episode as one sample. It finished ("stop") when it ends on a sampled turn that the backend ended at
+        an end-of-sequence id (every one the model's generation config declares, as TRL counts them); ending on a
+        tool answer (the budget filled) or cut by the budget is "length"."""
         rewards, error = ({}, "") if e.error else self._reward(e.env)
         ids = e.completion_ids
-        finish = "stop" if ids and ids[-1] in self.stop_ids else "length"
+        finish = last_stop if ids and e.mask[-1] == 1 else "length"
         episode = {"turns": e.turns, "tool_calls": e.tool_calls, "tool_failures": e.tool_failures,
                    "tool_timeouts": e.tool_timeouts, "finish": e.finish, "messages": _json(e.messages),
                    "prompt": _json(e.prompt),

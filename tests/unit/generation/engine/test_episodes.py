@@ -282,3 +282,21 @@ def test_arguments_that_are_not_a_mapping_are_answered_as_trl_answers_them():
     assert str(raised.value) == answer["error"]  # Python's own text, which TRL answers
     assert call({})[3] == {"error": "'arguments'"}  # TRL's `function["arguments"]` KeyError, as text
     assert call({"arguments": {"seconds": 1}})[1:3] == (wait_tool, {"seconds": 1})
+
+
+class EndOfTurn(SameTurn):
+    """A policy whose generation config declares its own end-of-turn id: the backend stops there and says "stop",
+    though the last id is not the tokenizer's EOS."""
+
+    def generate(self, prompts, settings, budgets=None):
+        return [[Completion(c.token_ids[:-1], c.logprobs[:-1], "stop")]
+                for [c] in super().generate(prompts, settings, budgets)]
+
+
+def test_an_episode_finished_as_its_backend_says_for_its_last_sampled_turn():
+    """TRL counts every end-of-sequence id of the model's generation config, not only the tokenizer's: the episode's
+    finish is the backend's for its last sampled turn."""
+    backend = EndOfTurn("peek", {})
+    _, groups = runner(SlowEnv, backend, max_tool_calling_iterations=0).run(request(1, n=1))
+    c = groups[0][0]
+    assert c.token_ids[-1] != tokenizer().eos_token_id and c.finish_reason == "stop"
