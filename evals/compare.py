@@ -2,8 +2,11 @@
 
 Reads one or more sweep directories (a sweep's `--output_dir`, or committed results with their runs.jsonl) and pools
 their finished runs by cell: `ALGORITHM:N` (the algorithm's name in the grid, `,flag=value` for each extra axis of
-the grid, and its knob value), seeds merged across directories (a seed that two directories both ran is refused: it
-would count twice). Then prints
+the grid and for each `--by` flag whose value differs among the pooled runs of that algorithm, such as a learning
+rate two grids ran the same algorithm at, and its knob value), seeds merged across directories (a seed that two
+directories both ran in one cell is refused: it would count twice). `--by` is named, not guessed: a flag can read
+differently in two records of one setting (RLOO's `per_device_train_batch_size` counted prompts before it counted
+completions, as TRL's does). Then prints
 
 * every cell: seeds, mean and the 95% t-interval of the mean (sample standard deviation, n - 1 degrees of freedom);
 * each contrast asked for: a signed sum of cell means (`A:16 - A:1`; an interaction such as
@@ -15,6 +18,7 @@ score) or, with `--step S`, the evaluation of that metric logged at step S durin
 
     python evals/compare.py evals/results/sorting_staleness evals/results/sorting_staleness_seeds45 --metric gold_reward
     python evals/compare.py evals/results/sorting_staleness --metric gold_reward --contrast "ppo_none:16 - ppo_none:1"
+    python evals/compare.py evals/results/sorting_staleness_seeds45 evals/results/sorting_ppo_lr3e5 --by learning_rate
 """
 
 from __future__ import annotations
@@ -53,24 +57,40 @@ def run_value(run: RunResult, metric: str | None, step: int | None) -> float:
     return run.score if metric is None else run.eval_value(metric)
 
 
-def cell_key(run: RunResult) -> str:
-    """'ALGORITHM:N', with a grid's extra axes after the name: 'ALGORITHM,flag=value:N'."""
-    return "".join([run.algorithm] + [f",{k}={v}" for k, v in run.axes.items()]) + f":{run.knob_value}"
+def cell_key(run: RunResult, varying: tuple[str, ...] = ()) -> str:
+    """'ALGORITHM:N', with a grid's extra axes and then the `varying` flags after the name:
+    'ALGORITHM,flag=value:N'."""
+    extra = {**run.axes, **{k: run.flags.get(k) for k in varying if k not in run.axes}}
+    return "".join([run.algorithm] + [f",{k}={v}" for k, v in extra.items()]) + f":{run.knob_value}"
 
 
-def pool_cells(dirs: list[str], metric: str | None = None, step: int | None = None) -> dict[str, dict[int, float]]:
-    """'ALGORITHM:N' -> {seed: value} over the finished runs of every directory."""
+def varying_flags(runs: list[RunResult], by: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    """Algorithm -> those of the flags `by` whose value differs among its runs (or that some of them lack)."""
+    groups: dict[str, list[RunResult]] = {}
+    for run in runs:
+        groups.setdefault(run.algorithm, []).append(run)
+    return {algorithm: tuple(k for k in by if len({repr(r.flags.get(k)) for r in group}) > 1)
+            for algorithm, group in groups.items()}
+
+
+def pool_cells(dirs: list[str], metric: str | None = None, step: int | None = None,
+               by: tuple[str, ...] = ()) -> dict[str, dict[int, float]]:
+    """'ALGORITHM:N' -> {seed: value} over the finished runs of every directory (cells split by the flags `by`)."""
     cells: dict[str, dict[int, float]] = {}
+    loaded = []
     for d in dirs:
         runs, _ = load_runs(d)
         if not runs:
             raise SystemExit(f"{d}: no finished runs (neither run directories nor runs.jsonl)")
+        loaded.append((d, runs))
+    varying = varying_flags([run for _, runs in loaded for run in runs], tuple(by))
+    for d, runs in loaded:
         for run in runs:
-            key = cell_key(run)
+            key = cell_key(run, varying.get(run.algorithm, ()))
             seeds = cells.setdefault(key, {})
             if run.seed in seeds:
                 raise SystemExit(f"{d}: cell {key} seed {run.seed} is also in an earlier directory; each seed counts "
-                                 f"once")
+                                 f"once (if the directories ran it at different settings, name the flag: --by FLAG)")
             value = run_value(run, metric, step)
             if not math.isnan(value):
                 seeds[run.seed] = value
@@ -154,10 +174,12 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("dirs", nargs="+", help="sweep output directories or committed results (runs.jsonl)")
     parser.add_argument("--metric", default=None, help="evaluation metric (default: the run's score)")
     parser.add_argument("--step", type=int, default=None, help="the evaluation logged at this training step")
+    parser.add_argument("--by", action="append", default=None, metavar="FLAG",
+                        help="split cells by this recipe flag where its value differs, e.g. learning_rate (repeat)")
     parser.add_argument("--contrast", action="append", default=None,
                         help="signed cells, e.g. 'ppo_none:16 - ppo_none:1' (repeat for more)")
     args = parser.parse_args(argv)
-    cells = pool_cells(args.dirs, args.metric, args.step)
+    cells = pool_cells(args.dirs, args.metric, args.step, tuple(args.by or ()))
     lines = report(cells, args.contrast if args.contrast is not None else default_contrasts(cells))
     print("\n".join(lines))
     return lines

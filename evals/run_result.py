@@ -58,6 +58,7 @@ class RunResult:
     evals: list[dict] = field(default_factory=list)  # {"step", "elapsed"?, <eval name>: value} logged in training
     process_seconds: float = math.nan  # the whole recipe process (start-up, training, save, final evaluation)
     index: int = 0  # position of the run in its grid (tables and plots follow the grid's order)
+    flags: dict = field(default_factory=dict)  # the recipe flags the sweep gave it (its sweep_run.json)
 
     @property
     def evaluated(self) -> bool:
@@ -196,7 +197,7 @@ def run_from_record(raw: dict) -> RunResult | dict:
         knob_value=int(record["knob_value"]), seed=int(record["seed"]), axes=record.get("axes") or {},
         summary=files["run_summary.json"], eval=files.get("eval_results.json"),
         steps=steps, evals=evals, process_seconds=float(seconds) if seconds is not None else math.nan,
-        index=int(record.get("index", 0)),
+        index=int(record.get("index", 0)), flags=record.get("flags") or {},
     )
 
 

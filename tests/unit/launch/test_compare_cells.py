@@ -46,3 +46,18 @@ def test_the_five_seed_staleness_finding_is_what_the_notes_state():
     assert "-0.085 [-0.116, -0.054]" in notes
     with pytest.raises(SystemExit, match="seed 1 is also in an earlier directory"):
         compare.pool_cells(dirs[:1] * 2, metric="gold_reward")
+
+
+def test_a_flag_two_grids_ran_an_algorithm_at_is_part_of_the_cell():
+    """With `--by learning_rate`, the same algorithm name at two learning rates (two grids) makes two cells, not one
+    cell with a seed twice; the interaction is what sorting_ppo_lr3e5's NOTES state."""
+    dirs = [str(RESULTS / name) for name in ("sorting_staleness", "sorting_staleness_seeds45", "sorting_ppo_lr3e5")]
+    with pytest.raises(SystemExit, match="name the flag: --by FLAG"):
+        compare.pool_cells(dirs, metric="gold_reward")
+    cells = compare.pool_cells(dirs, metric="gold_reward", by=("learning_rate",))
+    assert {"ppo_none,learning_rate=3e-05:16", "ppo_none,learning_rate=0.0001:16",
+            "rloo_none:16"} <= set(cells)  # RLOO ran at one rate: its name is unchanged
+    low, high = "ppo_none,learning_rate=3e-05", "ppo_none,learning_rate=0.0001"
+    lines = "\n".join(compare.report(cells, [f"{low}:16 - {low}:1 - {high}:16 + {high}:1"]))
+    assert "+0.078 [+0.035, +0.121]" in lines
+    assert "+0.078 [+0.035, +0.121]" in (RESULTS / "sorting_ppo_lr3e5" / "NOTES.md").read_text()
