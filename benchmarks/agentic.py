@@ -218,6 +218,8 @@ def summarize(dirs: list[str]) -> str:
     of the ratios with a 95% t-interval over seeds."""
     runs = {}
     for d in dirs:
+        if not os.path.isdir(d):
+            raise SystemExit(f"--summarize: {d} is not a directory of --to_threshold runs (their --output_dir)")
         for name in sorted(os.listdir(d)):
             if name.endswith(".json") and name != "results.json":
                 r = json.load(open(os.path.join(d, name)))

@@ -153,34 +153,57 @@ def _function_str(func: Callable) -> str:
     return f"{module}.{qualname}()" if module not in (None, "builtins") else f"{qualname}()"
 
 
-def call_in_turn(turns: list[TurnCalls]) -> list[list[Answer]]:
-    """`run_episodes`' default `call_tools`: each episode's calls in turn, in this thread (`async def` tools on a
-    fresh event loop), TRL's order within a turn (the module docstring)."""
-    return [_turn_in_order(calls, tools) for calls, tools in turns]
+NOT_RUN = "tool {!r} not run: an earlier call of this turn timed out"
 
 
-def _turn_in_order(calls: list[dict], tools: dict[str, Callable]) -> list[Answer]:
-    answers, pending = [], []
+async def turn_in_order(calls: list[dict], tools: dict[str, Callable], run_sync, settle) -> list[Answer]:
+    """One episode's calls of a turn, answered in TRL's order (the module docstring): `await run_sync(name, function,
+    arguments)` answers a synchronous call, `await settle(name, coroutine)` an `async def` one. After a call timed out
+    (`TIMED_OUT`), the turn's later calls are answered without running: its environment may still be busy."""
+    answers, pending, timed_out = [], [], False
     for tool_call in calls:
         name, func, arguments, error = resolve_call(tool_call, tools)
         if func is None:
             answers.append((name, error, True))
-            continue
-        try:
-            if inspect.iscoroutinefunction(func):
-                pending.append((name, func(**arguments)))  # bad arguments raise here, answered in order (TRL)
-            else:
-                answers.append((name, func(**arguments), False))
-        except Exception as e:  # the model's mistake (or the tool's), answered to the model
-            answers.append((name, {"error": str(e)}, True))
-    if pending:
-        async def gather():
-            return await asyncio.gather(*(coro for _, coro in pending), return_exceptions=True)
+        elif timed_out:
+            answers.append((name, {"error": NOT_RUN.format(name)}, True))
+        elif inspect.iscoroutinefunction(func):
+            try:
+                pending.append((name, func(**arguments)))
+            except Exception as e:  # bad arguments: raised when the coroutine is made, answered in order (TRL)
+                answers.append((name, {"error": str(e)}, True))
+        else:
+            answers.append(await run_sync(name, func, arguments))
+            timed_out = answers[-1][2] == TIMED_OUT
+    if timed_out:
+        for name, coro in pending:
+            coro.close()
+            answers.append((name, {"error": NOT_RUN.format(name)}, True))
+        return answers
+    return answers + list(await asyncio.gather(*(settle(name, coro) for name, coro in pending)))
 
-        for (name, _), result in zip(pending, asyncio.run(gather())):
-            failed = isinstance(result, Exception)
-            answers.append((name, {"error": str(result)} if failed else result, failed))
-    return answers
+
+def call_in_turn(turns: list[TurnCalls]) -> list[list[Answer]]:
+    """`run_episodes`' default `call_tools`: in this thread, with no time limit, on one event loop a round (each
+    synchronous call runs to its end before the next; the `async def` ones of different episodes interleave)."""
+    async def round_():
+        return await asyncio.gather(*(turn_in_order(calls, tools, _run_here, _awaited) for calls, tools in turns))
+
+    return list(asyncio.run(round_())) if turns else []
+
+
+async def _run_here(name: str, func: Callable, arguments: dict) -> Answer:
+    try:
+        return name, func(**arguments), False
+    except Exception as e:  # the model's mistake (or the tool's), answered to the model
+        return name, {"error": str(e)}, True
+
+
+async def _awaited(name: str, coro) -> Answer:
+    try:
+        return name, await coro, False
+    except Exception as e:
+        return name, {"error": str(e)}, True
 
 
 def start_episode(row: dict, env, tools: list[Callable], turn_tokens: TurnTokens,

@@ -38,7 +38,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from async_rlhf.data.tool_episodes import TIMED_OUT, Answer, Episode, TurnCalls, TurnTokens, resolve_call, run_episodes
+from async_rlhf.data.tool_episodes import (TIMED_OUT, Answer, Episode, TurnCalls, TurnTokens, run_episodes,
+                                          turn_in_order)
 from async_rlhf.types import Completion, GenerationRequest
 
 TOOL_THREADS = 256  # synchronous tool calls running at once in one generator (threads made as calls need them); a
@@ -169,34 +170,8 @@ class EpisodeRunner:
                                "tool that does not await?)") from None
 
     async def _round(self, turns: list[TurnCalls]) -> list[list[Answer]]:
-        return list(await asyncio.gather(*(self._turn(calls, tools) for calls, tools in turns)))
-
-    async def _turn(self, calls: list[dict], tools: dict[str, Callable]) -> list[Answer]:
-        """One episode's calls of a turn, in TRL's order (`data/tool_episodes.py`); after a call times out, the turn's
-        later calls are answered without running (its environment may still be busy with it)."""
-        answers, pending = [], []
-        for tool_call in calls:
-            name, func, arguments, error = resolve_call(tool_call, tools)
-            if func is None:
-                answers.append((name, error, True))
-            elif any(failed == TIMED_OUT for _, _, failed in answers):
-                answers.append((name, {"error": f"tool {name!r} not run: an earlier call of this turn timed out"},
-                                True))
-            elif inspect.iscoroutinefunction(func):
-                try:
-                    pending.append((name, func(**arguments)))
-                except Exception as e:  # bad arguments: raised when the coroutine is made, answered in order (TRL)
-                    answers.append((name, {"error": str(e)}, True))
-            else:
-                answers.append(await self._sync_call(name, func, arguments))
-        if any(failed == TIMED_OUT for _, _, failed in answers):
-            for name, coro in pending:
-                coro.close()
-                answers.append((name, {"error": f"tool {name!r} not run: an earlier call of this turn timed out"},
-                                True))
-        else:
-            answers += await asyncio.gather(*(self._bounded(name, coro) for name, coro in pending))
-        return answers
+        return list(await asyncio.gather(*(turn_in_order(calls, tools, self._sync_call, self._bounded)
+                                           for calls, tools in turns)))
 
     async def _sync_call(self, name: str, func: Callable, arguments: dict) -> Answer:
         loop = asyncio.get_running_loop()
