@@ -5,11 +5,12 @@
 - `score_vs_knob.png`: the paper's ablation view: final score against the knob (N or S, log scale), one line per
   algorithm, error bars one std over seeds; a second panel the same for the gold reward where every run has one,
   with the SFT policy's gold reward as a dashed line where every run's evaluation carries it (`sft_gold_reward`,
-  written when the task evaluates the SFT policy's completions too);
+  written when the task evaluates the SFT policy's completions too) or a baseline record gives it (`sft`, below);
 - `winrate_vs_wallclock.png`: left, final score against the run's training wall time, synchronous cells (N=1 / S=0)
   hollow squares, asynchronous ones filled circles (what asynchrony saves, and at what score); right, the score
   during the run against elapsed time, one line per cell, synchronous dashed;
-- `winrate_over_steps.png`: the score over optimizer steps, one panel per algorithm, one line per knob value;
+- `winrate_over_steps.png`: the score over optimizer steps, one panel per algorithm, one line per knob value, the
+  SFT policy's gold win-rate dashed where a baseline record gives it;
 - `winrate_vs_kl_over_training.png`: the gold win-rate against KL at every evaluation of the run, one panel per
   algorithm, one line per knob value: the path each setting takes away from the SFT policy, where over-optimising
   the proxy shows as a line that turns down while KL keeps growing (gold evaluations only);
@@ -21,10 +22,14 @@ final one), else the training reward objective/scores; every figure says which. 
 seeds. metrics.jsonl lines without an `elapsed_seconds` field are placed in time by uniform step time, which the
 figure states. A figure with nothing to draw is still written, with a note saying why, so a run of the harness
 always yields the same files.
+
+`sft`, where given, is the SFT policy's own evaluation, evaluated as the runs are (`{metric: value}`, e.g.
+`gold_reward`, `gold_win_rate`: evals/sorting_sft_baseline.py writes one), for tasks whose runs do not carry it.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -138,7 +143,16 @@ def sft_reference(cells, name: str = "sft_gold_reward") -> float:
     return math.nan if not values or any(map(math.isnan, values)) else sum(values) / len(values)
 
 
-def score_vs_knob(cells, path: str) -> str:
+def _sft_line(ax, cells, sft: dict | None, metric: str) -> None:
+    """The SFT policy's value of `metric` as a dashed line: from the runs (`sft_<metric>`), else from `sft`."""
+    value = sft_reference(cells, f"sft_{metric}")
+    if math.isnan(value) and sft and isinstance(sft.get(metric), (int, float)):
+        value = float(sft[metric])
+    if not math.isnan(value):
+        ax.axhline(value, color="0.4", ls="--", lw=1, label="SFT policy")
+
+
+def score_vs_knob(cells, path: str, sft: dict | None = None) -> str:
     plt = _pyplot()
     gold_reward = all(not math.isnan(r.eval_value("gold_reward")) for c in cells for r in c.runs)
     panels = [("score", score_label(cells).rstrip(" †"))] + ([("gold_reward", "final gold reward")] if gold_reward
@@ -157,9 +171,8 @@ def score_vs_knob(cells, path: str) -> str:
             drawn += 1
             ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[_nan0(p[2]) for p in pts], marker="o",
                         capsize=3, color=f"C{i}", label=series)
-        sft = sft_reference(cells) if what == "gold_reward" else math.nan
-        if not math.isnan(sft):
-            ax.axhline(sft, color="0.4", ls="--", lw=1, label="SFT policy")
+        if what == "gold_reward" or (what == "score" and all(r.evaluated for c in cells for r in c.runs)):
+            _sft_line(ax, cells, sft, "gold_reward" if what == "gold_reward" else "gold_win_rate")
         knob = cells[0].knob_label.split("=")[0] if cells else "knob"
         ax.set_xscale("log", base=2)
         ax.set_xlabel(f"{knob} (log scale)")
@@ -215,12 +228,13 @@ def winrate_vs_wallclock(cells, path: str) -> str:
     return _save(fig, path, _notes(cells, time_axis=True))
 
 
-def winrate_over_steps(cells, path: str) -> str:
+def winrate_over_steps(cells, path: str, sft: dict | None = None) -> str:
     plt = _pyplot()
     groups = _by_series(cells)
     colors = _knob_colors(plt, cells)
     fig, axes = _panels(plt, len(groups))
     label = score_label(cells).rstrip(" †")
+    evaluated = all(r.evaluated for c in cells for r in c.runs)
     for ax, (series, cs) in zip(axes, groups.items()):
         for c in cs:
             steps, _, means, stds = c.curve()
@@ -234,12 +248,13 @@ def winrate_over_steps(cells, path: str) -> str:
                     label=c.knob_label + (" (sync)" if c.synchronous else ""))
             ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
                             color=colors[c.knob_value], alpha=0.12, lw=0)
+        if evaluated:
+            _sft_line(ax, cells, sft, "gold_win_rate")
         ax.set_title(series, fontsize=10)
         ax.set_xlabel("optimizer step")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    evaluated = all(r.evaluated for c in cells for r in c.runs)
     fig.suptitle(f"{label[0].upper() + label[1:]} over training, one line per off-policy setting", fontsize=11)
     note = ("gold evaluations logged during training plus the final one; mean ± std over seeds" if evaluated else
             "every logged training step, mean ± std over seeds, moving average over 10% of the steps")
@@ -304,9 +319,10 @@ def staleness_histograms(cells, path: str) -> str:
     return _save(fig, path, [])
 
 
-def draw_all(cells, plots_dir: str) -> list[str]:
-    """Every figure of the sweep into plots_dir; returns their paths (always the same files, FILES)."""
+def draw_all(cells, plots_dir: str, sft: dict | None = None) -> list[str]:
+    """Every figure of the sweep into plots_dir; returns their paths (always the same files, FILES). `sft`: the SFT
+    policy's evaluation, drawn as a reference line where the runs do not carry it."""
     os.makedirs(plots_dir, exist_ok=True)
-    drawers = (winrate_vs_kl, score_vs_knob, winrate_vs_wallclock, winrate_over_steps, winrate_vs_kl_over_training,
-               staleness_histograms)
+    drawers = (winrate_vs_kl, functools.partial(score_vs_knob, sft=sft), winrate_vs_wallclock,
+               functools.partial(winrate_over_steps, sft=sft), winrate_vs_kl_over_training, staleness_histograms)
     return [draw(cells, os.path.join(plots_dir, name)) for draw, name in zip(drawers, FILES)]

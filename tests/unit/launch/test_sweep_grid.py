@@ -184,6 +184,26 @@ def test_committed_grid_regenerates_its_table_from_runs_jsonl(archive, tmp_path)
         assert len(list(csv.DictReader(f))) > 0
 
 
+def test_sft_baseline_is_the_trained_size_and_drawn_on_the_plots(tmp_path):
+    """--sft_baseline gives the plots the SFT policy's reference for the one size every run trained; a file without
+    that size, or runs of two sizes, are refused naming the file and the sizes; the figures are still drawn."""
+    grid_dir = os.path.join(ROOT, "evals", "results", "sorting_policy_size")
+    baseline = os.path.join(grid_dir, "sft_baseline.json")
+    for name in (ARCHIVE, "sweep_report.json"):
+        shutil.copy(os.path.join(grid_dir, name), tmp_path / name)
+    runs, _ = run_result.load_runs(str(tmp_path))
+    assert aggregate.sft_baseline(baseline, runs)["gold_reward"] == pytest.approx(1.0436, abs=1e-4)  # the small one
+    written = aggregate.aggregate(str(tmp_path), sft_baseline_path=baseline)
+    assert {os.path.basename(p) for p in written} >= {"score_vs_knob.png", "winrate_over_steps.png"}
+    only_default = tmp_path / "default_only.json"
+    only_default.write_text(json.dumps({"default": {"gold_reward": 1.06}}))
+    with pytest.raises(aggregate.BaselineError, match=r"default_only.json: no entry for .*'small' \(it has: default\)"):
+        aggregate.sft_baseline(str(only_default), runs)
+    runs[0].flags = {**runs[0].flags, "sorting_policy": "large"}
+    with pytest.raises(aggregate.BaselineError, match="2 sizes \\(large, small\\)"):
+        aggregate.sft_baseline(baseline, runs)
+
+
 def test_every_shipped_grid_validates_and_expands():
     for name in ("quick", "paper_ablation", "async_vs_sync", "hub_tldr"):
         grid = load_grid(os.path.join(ROOT, "launch", "sweeps", f"{name}.yaml"))
