@@ -9,8 +9,8 @@
 - `winrate_vs_wallclock.png`: left, final score against the run's training wall time, synchronous cells (N=1 / S=0)
   hollow squares, asynchronous ones filled circles (what asynchrony saves, and at what score); right, the score
   during the run against elapsed time, one line per cell, synchronous dashed;
-- `winrate_over_steps.png`: the score over optimizer steps, one panel per algorithm, one line per knob value, the
-  SFT policy's gold win-rate dashed where a baseline record gives it;
+- `winrate_over_steps.png`: the score over optimizer steps, one panel per algorithm, one line per knob value, and a
+  second row of the gold reward where every run's evaluations have it; the SFT policy's value dashed where known;
 - `winrate_vs_kl_over_training.png`: the gold win-rate against KL at every evaluation of the run, one panel per
   algorithm, one line per knob value: the path each setting takes away from the SFT policy, where over-optimising
   the proxy shows as a line that turns down while KL keeps growing (gold evaluations only);
@@ -232,12 +232,17 @@ def winrate_over_steps(cells, path: str, sft: dict | None = None) -> str:
     plt = _pyplot()
     groups = _by_series(cells)
     colors = _knob_colors(plt, cells)
-    fig, axes = _panels(plt, len(groups))
     label = score_label(cells).rstrip(" †")
     evaluated = all(r.evaluated for c in cells for r in c.runs)
-    for ax, (series, cs) in zip(axes, groups.items()):
+    metrics = [(None, label, "gold_win_rate")]  # (evaluation metric or the score, axis label, SFT reference)
+    if evaluated and all(not math.isnan(r.eval_value("gold_reward")) for c in cells for r in c.runs):
+        metrics.append(("gold_reward", "gold reward", "gold_reward"))  # a second row: the studies' own measure
+    cols = len(groups) if len(metrics) > 1 and len(groups) <= 4 else 3
+    fig, axes = _panels(plt, len(groups) * len(metrics), cols=cols)
+    panels = [(metric, series, cs) for metric in metrics for series, cs in groups.items()]
+    for ax, ((name, axis_label, reference), series, cs) in zip(axes, panels):
         for c in cs:
-            steps, _, means, stds = c.curve()
+            steps, _, means, stds = c.curve(name)
             if not steps:
                 continue
             many = len(steps) > 12
@@ -249,13 +254,15 @@ def winrate_over_steps(cells, path: str, sft: dict | None = None) -> str:
             ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
                             color=colors[c.knob_value], alpha=0.12, lw=0)
         if evaluated:
-            _sft_line(ax, cells, sft, "gold_win_rate")
+            _sft_line(ax, cells, sft, reference)
         ax.set_title(series, fontsize=10)
         ax.set_xlabel("optimizer step")
-        ax.set_ylabel(label)
+        ax.set_ylabel(axis_label)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(f"{label[0].upper() + label[1:]} over training, one line per off-policy setting", fontsize=11)
+    title = label[0].upper() + label[1:] + (" and gold reward" if len(metrics) > 1 else "")
+    wrap = "\n" if len(metrics) > 1 and cols == 1 else " "  # one panel wide: the title on two lines
+    fig.suptitle(f"{title} over training,{wrap}one line per off-policy setting", fontsize=11)
     note = ("gold evaluations logged during training plus the final one; mean ± std over seeds" if evaluated else
             "every logged training step, mean ± std over seeds, moving average over 10% of the steps")
     return _save(fig, path, _notes(cells) + [note])
