@@ -1,18 +1,20 @@
-"""Parity with synchronous training, at staleness 0 and lagged.
+"""Parity with synchronous training, at staleness 0 and lagged, on both generator backends.
 
-At max_staleness 0 the asynchronous trainer IS synchronous training. For each algorithm (online DPO, RLOO, PPO, GRPO)
-a tiny run goes through the real pipeline (a transformers generator process, shared-memory weight sync, the scoring
-thread with the fused reference) and keeps, per optimizer step, the scored groups it trained on and its parameters
-after the step (PPO: the critic's too). An in-process synchronous loop then trains a fresh copy of the same initial
-model on the same samples with the pure losses of `losses/`, computing itself everything the pipeline delivers with a
-sample: the behaviour log-probs (the policy as it stands before the step, as a synchronous trainer samples with it)
-and the reference (the initial model). The parameters must agree after every step within float tolerance, and the
-generator's behaviour log-probs must be the current policy's.
+At max_staleness 0 the asynchronous trainer trains what a synchronous loop trains on the same samples. For each
+algorithm (online DPO, RLOO, PPO, GRPO) a tiny run goes through the real pipeline (a transformers generator process,
+shared-memory weight sync, the scoring thread with the fused reference) and keeps, per optimizer step, the scored
+groups it trained on and its parameters after the step (PPO: the critic's too). An in-process synchronous loop then
+trains a fresh copy of the same initial model on the same samples with the pure losses of `losses/`, computing itself
+everything the pipeline delivers with a sample: the behaviour log-probs (the policy as it stands before the step, as
+a synchronous trainer samples with it) and the reference (the initial model). The parameters must agree after every
+step within float tolerance, and the generator's behaviour log-probs must be the current policy's.
 
 At max_staleness k = 1 and 2 the same holds against a lagged loop: step t trains on the samples that the policy of
 step t - k produced (the pipeline's own samples, replayed), with the behaviour log-probs of that k-step-old policy
 computed here, under AdamW (weight decay as the Trainer groups it) with gradient clipping; and each stale sample's
-carried behaviour log-probs are the k-step-old policy's own.
+carried behaviour log-probs are the k-step-old policy's own. With the vLLM generator (float32, streaming: each group
+its own request, weights loaded between requests) the groups of one step may come from different versions within the
+bound; the loop then takes each group's behaviour policy from the version the group carries.
 
 The comparison is sensitive, and the test shows it: the same loop fed the behaviour log-probs of the policy one step
 behind (or, lagged, one version too new), or given the policy one step behind as its reference, ends up measurably
@@ -27,6 +29,7 @@ import json
 
 import pytest
 import torch
+from run_records import RunsOnDemand
 from transformers import AutoModelForCausalLM, Trainer
 
 from async_rlhf import (
@@ -137,9 +140,24 @@ def carried_behaviour(groups, mask, rows=None):
     return out
 
 
+def behaviour_logps(models, groups, temperature):
+    """The ratio's denominator laid out like `completion_logps`: under one model, or under `models[g]` for group g's
+    completions (groups sampled by different versions)."""
+    if not isinstance(models, list):
+        return completion_logps(models, groups, temperature)[0]
+    group_of_row = torch.tensor([g for g, grp in enumerate(groups) for _ in grp.completions])
+    out = None
+    for model in {id(m): m for m in models}.values():
+        logps = completion_logps(model, groups, temperature)[0]
+        out = torch.zeros_like(logps) if out is None else out
+        rows = torch.tensor([models[g] is model for g in group_of_row.tolist()])
+        out[rows] = logps[rows]
+    return out
+
+
 def step_loss(name, config, policy, critic, groups, behaviour_model, ref_model):
     """The algorithm's loss on one step's groups; `behaviour_model` gives the ratio's denominator (a synchronous
-    trainer: the policy itself, before the step), `ref_model` the reference."""
+    trainer: the policy itself, before the step; or one model per group), `ref_model` the reference."""
     a = config
     if name == "online_dpo":
         pairs, _ = select_pairs(groups)
@@ -154,7 +172,7 @@ def step_loss(name, config, policy, critic, groups, behaviour_model, ref_model):
     logps, mask, ids, attention = completion_logps(policy, groups, a.temperature)
     with torch.no_grad():
         ref = completion_logps(ref_model, groups, a.temperature)[0]
-        mu = completion_logps(behaviour_model, groups, a.temperature)[0]
+        mu = behaviour_logps(behaviour_model, groups, a.temperature)
     scores = torch.tensor([r for g in groups for r in g.rewards])
     if name == "rloo":
         shaped = kl_shaped_rewards(scores, logps.detach(), ref, mask, a.beta)
@@ -287,9 +305,9 @@ def adamw_like_the_trainer(model, config):
 
 def lagged_run(name, config, model_dir, steps_groups, versions, wrong=False):
     """Parameters after each step of a loop that trains step t on `steps_groups[t]` with the behaviour log-probs of
-    the policy of version `versions[t]` (after that many steps), kept here; `wrong`: of version `versions[t] + 1`
-    instead (one version too new, where that policy exists before step t: what a pipeline that tagged its samples a
-    version too new would train with)."""
+    the policy of version `versions[t][g]` (after that many steps) for its group g, kept here; `wrong`: of one
+    version more (where that policy exists before step t: what a pipeline that tagged its samples a version too new
+    would train with)."""
     torch.manual_seed(0)
     policy = AutoModelForCausalLM.from_pretrained(model_dir)
     reference = AutoModelForCausalLM.from_pretrained(model_dir).eval().requires_grad_(False)
@@ -299,8 +317,8 @@ def lagged_run(name, config, model_dir, steps_groups, versions, wrong=False):
     by_version = [copy.deepcopy(policy).eval().requires_grad_(False)]  # the policy after v steps
     snapshots = []
     for step, groups in enumerate(steps_groups):
-        v = min(versions[step] + 1, step) if wrong else versions[step]
-        loss = step_loss(name, config, policy, critic, groups, behaviour_model=by_version[v], ref_model=reference)
+        behaviour = [by_version[min(v + 1, step) if wrong else v] for v in versions[step]]
+        loss = step_loss(name, config, policy, critic, groups, behaviour_model=behaviour, ref_model=reference)
         if loss is not None:
             loss.backward()
         else:  # no pair (online DPO): the trainer's loss is 0 x the graph, so Adam still steps on zero gradients
@@ -331,6 +349,38 @@ def sampled_versions(steps_groups) -> list[int]:
     return out
 
 
+def group_versions(steps_groups) -> list[list[int]]:
+    """The version that sampled each group of each step (streaming: a step's groups may differ)."""
+    return [[g.policy_version for g in groups] for groups in steps_groups]
+
+
+def check_lagged_parity(name, config, steps_groups, pipeline_params, model_dir, lag, versions, label):
+    """The lagged loop on the pipeline's samples, each group's behaviour policy the version it carries: the carried
+    log-probs are that policy's own (and not the next version's), and the parameters agree after every step."""
+    loop_params, by_version = lagged_run(name, config, model_dir, steps_groups, versions)
+    for step, groups in enumerate(steps_groups):
+        assert all(max(0, step - lag) <= v <= step for v in versions[step]), (label, step, versions[step])
+        with torch.no_grad():  # each sample's behaviour log-probs are the k-step-old policy's own
+            own = [by_version[v] for v in versions[step]]
+            mask = completion_logps(own[0], groups, config.temperature)[1]
+            carried = carried_behaviour(groups, mask)
+            gap = (carried - behaviour_logps(own, groups, config.temperature)).abs().max().item()
+            assert gap < 1e-3, f"{label} step {step}: behaviour log-probs {gap:.2e} from their version's"
+            if all(v + 1 <= step for v in versions[step]):  # ... and not those of the next version, which existed
+                newer = behaviour_logps([by_version[v + 1] for v in versions[step]], groups, config.temperature)
+                assert (carried - newer).abs().max().item() > 1e-3, f"{label} step {step}: a version off?"
+        diff = max_difference(pipeline_params[step], loop_params[step])
+        print(f"{label} step {step}: max parameter difference {diff:.2e}")
+        assert diff < LAGGED_TOLERANCE, f"{label} step {step}: parameters differ by {diff:.2e}"
+
+
+def check_wrong_version_is_caught(name, config, steps_groups, pipeline_params, model_dir, versions, label):
+    wrong, _ = lagged_run(name, config, model_dir, steps_groups, versions, wrong=True)
+    off = max(max_difference(pipeline_params[s], wrong[s]) for s in range(len(steps_groups)))
+    print(f"{label}, behaviour a version too new: max parameter difference {off:.2e}")
+    assert off > 50 * LAGGED_TOLERANCE, f"{label}: the wrong version moves the parameters by only {off:.2e}"
+
+
 @pytest.mark.parametrize("lag", [1, 2])
 @pytest.mark.parametrize("name", list(ALGORITHMS))
 def test_staleness_k_matches_a_loop_lagged_by_k_steps(lagged_runs, tiny_model_dir, name, lag):
@@ -338,18 +388,8 @@ def test_staleness_k_matches_a_loop_lagged_by_k_steps(lagged_runs, tiny_model_di
     versions = sampled_versions(steps_groups)
     # admission sends batch t as soon as the weights of version t - k are queued, ahead of any newer ones
     assert versions == [max(0, t - lag) for t in range(LAGGED_STEPS)], versions
-    loop_params, by_version = lagged_run(name, config, tiny_model_dir, steps_groups, versions)
-    for step, groups in enumerate(steps_groups):
-        with torch.no_grad():  # each sample's behaviour log-probs are the k-step-old policy's own
-            logps, mask, _, _ = completion_logps(by_version[versions[step]], groups, config.temperature)
-            carried = carried_behaviour(groups, mask)
-            assert (carried - logps).abs().max().item() < 1e-3, f"{name} lag {lag} step {step}: behaviour log-probs"
-            if versions[step] + 1 <= step:  # ... and not those of the next version, which existed by then
-                newer = completion_logps(by_version[versions[step] + 1], groups, config.temperature)[0]
-                assert (carried - newer).abs().max().item() > 1e-3, f"{name} lag {lag} step {step}: a version off?"
-        diff = max_difference(pipeline_params[step], loop_params[step])
-        print(f"{name} lag {lag} step {step}: max parameter difference {diff:.2e}")
-        assert diff < LAGGED_TOLERANCE, f"{name} lag {lag} step {step}: parameters differ by {diff:.2e}"
+    check_lagged_parity(name, config, steps_groups, pipeline_params, tiny_model_dir, lag,
+                        [[v] * len(groups) for v, groups in zip(versions, steps_groups)], f"{name} lag {lag}")
 
 
 @pytest.mark.parametrize("name", ["rloo", "ppo", "grpo"])
@@ -357,10 +397,45 @@ def test_a_lagged_loop_fed_the_wrong_version_is_caught(lagged_runs, tiny_model_d
     """The comparison above fails for a loop that takes its behaviour log-probs from one version too new (online
     DPO's loss has no behaviour term: its check is the log-prob one above)."""
     config, steps_groups, pipeline_params = lagged_runs[name, 2]
-    wrong, _ = lagged_run(name, config, tiny_model_dir, steps_groups, sampled_versions(steps_groups), wrong=True)
-    off = max(max_difference(pipeline_params[s], wrong[s]) for s in range(LAGGED_STEPS))
-    print(f"{name}, behaviour a version too new: max parameter difference {off:.2e}")
-    assert off > 50 * LAGGED_TOLERANCE, f"{name}: the wrong version moves the parameters by only {off:.2e}"
+    check_wrong_version_is_caught(name, config, steps_groups, pipeline_params, tiny_model_dir,
+                                  group_versions(steps_groups), name)
+
+
+# ---- lagged parity with the vLLM generator (streaming, float32 as the learner) --------------------------------------
+# One engine start per run: the eight runs take about 2 minutes on 2 cores.
+VLLM_LAGS = [1, 2]
+
+
+@pytest.fixture(scope="module")
+def lagged_vllm_runs(tmp_path_factory, tiny_model_dir):
+    def run(key):
+        name, lag = key
+        trainer_cls, config_cls, extra = ALGORITHMS[name]
+        fields = {**LAGGED, **extra, "max_staleness": lag, "generator_backend": "vllm", "generation_mode": "stream"}
+        if name == "online_dpo":
+            fields.pop("off_policy_correction")
+        config = config_cls(output_dir=str(tmp_path_factory.mktemp(f"{name}-vllm-lag{lag}")), **fields)
+        trainer = recording(trainer_cls)(model=tiny_model_dir, reward_funcs=lowercase_reward, args=config,
+                                         train_dataset=toy_prompts(32))
+        trainer.recorded_groups, trainer.recorded_params = [], []
+        trainer.train()
+        assert len(trainer.recorded_groups) == len(trainer.recorded_params) == LAGGED_STEPS
+        return config, trainer.recorded_groups, trainer.recorded_params
+
+    return RunsOnDemand(run)
+
+
+@pytest.mark.parametrize("lag", VLLM_LAGS)
+@pytest.mark.parametrize("name", list(ALGORITHMS))
+def test_staleness_k_matches_a_lagged_loop_with_the_vllm_generator(lagged_vllm_runs, tiny_model_dir, name, lag):
+    config, steps_groups, pipeline_params = lagged_vllm_runs[name, lag]
+    versions = group_versions(steps_groups)
+    print(f"{name} vllm lag {lag}: versions per group {versions}")
+    check_lagged_parity(name, config, steps_groups, pipeline_params, tiny_model_dir, lag, versions,
+                        f"{name} vllm lag {lag}")
+    if name != "online_dpo":  # its loss has no behaviour term
+        check_wrong_version_is_caught(name, config, steps_groups, pipeline_params, tiny_model_dir, versions,
+                                      f"{name} vllm lag {lag}")
 
 
 # ---- several passes per batch (num_iterations 2): decoupled PPO against the proximal policy ------------------------
