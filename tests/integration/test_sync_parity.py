@@ -96,17 +96,28 @@ def recording(trainer_cls):
     return Recording
 
 
+def record_pipeline(name, fields, output_dir, model_dir):
+    """One run of `name` through the real pipeline with `fields`: (config, each step's groups, each optimizer step's
+    parameters)."""
+    trainer_cls, config_cls, extra = ALGORITHMS[name]
+    fields = {**fields, **extra}
+    if name == "online_dpo":
+        fields.pop("off_policy_correction", None)  # its loss has no importance ratio
+    config = config_cls(output_dir=str(output_dir), **fields)
+    trainer = recording(trainer_cls)(model=model_dir, reward_funcs=lowercase_reward, args=config,
+                                     train_dataset=toy_prompts(32))
+    trainer.recorded_groups, trainer.recorded_params = [], []
+    trainer.train()
+    assert len(trainer.recorded_groups) == config.max_steps
+    return config, trainer.recorded_groups, trainer.recorded_params
+
+
 @pytest.fixture(scope="module")
 def pipeline_runs(tmp_path_factory, tiny_model_dir):
     runs = {}
-    for name, (trainer_cls, config_cls, extra) in ALGORITHMS.items():
-        config = config_cls(output_dir=str(tmp_path_factory.mktemp(name)), **{**RUN, **extra})
-        trainer = recording(trainer_cls)(model=tiny_model_dir, reward_funcs=lowercase_reward, args=config,
-                                         train_dataset=toy_prompts(32))
-        trainer.recorded_groups, trainer.recorded_params = [], []
-        trainer.train()
-        assert len(trainer.recorded_groups) == len(trainer.recorded_params) == STEPS
-        runs[name] = (config, trainer.recorded_groups, trainer.recorded_params)
+    for name in ALGORITHMS:
+        runs[name] = record_pipeline(name, RUN, tmp_path_factory.mktemp(name), tiny_model_dir)
+        assert len(runs[name][2]) == STEPS
     return runs
 
 
@@ -279,17 +290,10 @@ LAGGED_TOLERANCE = 1e-4  # observed 1.2e-7 to 4.3e-6; a version off moves them b
 def lagged_runs(tmp_path_factory, tiny_model_dir):
     runs = {}
     for lag in (1, 2):
-        for name, (trainer_cls, config_cls, extra) in ALGORITHMS.items():
-            fields = {**LAGGED, **extra, "max_staleness": lag}
-            if name == "online_dpo":
-                fields.pop("off_policy_correction")
-            config = config_cls(output_dir=str(tmp_path_factory.mktemp(f"{name}-lag{lag}")), **fields)
-            trainer = recording(trainer_cls)(model=tiny_model_dir, reward_funcs=lowercase_reward, args=config,
-                                             train_dataset=toy_prompts(32))
-            trainer.recorded_groups, trainer.recorded_params = [], []
-            trainer.train()
-            assert len(trainer.recorded_groups) == len(trainer.recorded_params) == LAGGED_STEPS
-            runs[name, lag] = (config, trainer.recorded_groups, trainer.recorded_params)
+        for name in ALGORITHMS:
+            runs[name, lag] = record_pipeline(name, {**LAGGED, "max_staleness": lag},
+                                              tmp_path_factory.mktemp(f"{name}-lag{lag}"), tiny_model_dir)
+            assert len(runs[name, lag][2]) == LAGGED_STEPS
     return runs
 
 
@@ -410,17 +414,10 @@ VLLM_LAGS = [1, 2]
 def lagged_vllm_runs(tmp_path_factory, tiny_model_dir):
     def run(key):
         name, lag = key
-        trainer_cls, config_cls, extra = ALGORITHMS[name]
-        fields = {**LAGGED, **extra, "max_staleness": lag, "generator_backend": "vllm", "generation_mode": "stream"}
-        if name == "online_dpo":
-            fields.pop("off_policy_correction")
-        config = config_cls(output_dir=str(tmp_path_factory.mktemp(f"{name}-vllm-lag{lag}")), **fields)
-        trainer = recording(trainer_cls)(model=tiny_model_dir, reward_funcs=lowercase_reward, args=config,
-                                         train_dataset=toy_prompts(32))
-        trainer.recorded_groups, trainer.recorded_params = [], []
-        trainer.train()
-        assert len(trainer.recorded_groups) == len(trainer.recorded_params) == LAGGED_STEPS
-        return config, trainer.recorded_groups, trainer.recorded_params
+        fields = {**LAGGED, "max_staleness": lag, "generator_backend": "vllm", "generation_mode": "stream"}
+        recorded = record_pipeline(name, fields, tmp_path_factory.mktemp(f"{name}-vllm-lag{lag}"), tiny_model_dir)
+        assert len(recorded[2]) == LAGGED_STEPS
+        return recorded
 
     return RunsOnDemand(run)
 
@@ -449,15 +446,8 @@ PASSES = dict(LAGGED, max_staleness=1, num_iterations=2, off_policy_correction="
 def multi_pass_runs(tmp_path_factory, tiny_model_dir):
     runs = {}
     for name in ("rloo", "ppo", "grpo"):
-        trainer_cls, config_cls, extra = ALGORITHMS[name]
-        config = config_cls(output_dir=str(tmp_path_factory.mktemp(f"{name}-passes")), **{**PASSES, **extra})
-        trainer = recording(trainer_cls)(model=tiny_model_dir, reward_funcs=lowercase_reward, args=config,
-                                         train_dataset=toy_prompts(32))
-        trainer.recorded_groups, trainer.recorded_params = [], []
-        trainer.train()
-        assert len(trainer.recorded_groups) == LAGGED_STEPS  # one batch a step ...
-        assert len(trainer.recorded_params) == 2 * LAGGED_STEPS  # ... two optimizer steps on it
-        runs[name] = (config, trainer.recorded_groups, trainer.recorded_params)
+        runs[name] = record_pipeline(name, PASSES, tmp_path_factory.mktemp(f"{name}-passes"), tiny_model_dir)
+        assert len(runs[name][2]) == 2 * LAGGED_STEPS  # two optimizer steps on each batch
     return runs
 
 
