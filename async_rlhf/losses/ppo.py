@@ -104,6 +104,8 @@ def ppo_policy_loss(
     "tis":   w_t = min(π_prox/μ, is_cap) = min(exp(old_logps − behaviour_logps), is_cap), detached: truncated
              importance sampling. `old_logps` is the proximal policy π_prox; `behaviour_logps` is μ.
              Weights above the cap are truncated to the cap (the token still trains, with weight `is_cap`).
+             At one optimizer pass per batch π_prox is the policy being trained, so r_t = 1 and the clip never
+             binds: the loss is then a truncated-IS-weighted policy gradient with no trust region.
     "decoupled": the decoupled PPO objective of Hilton et al. 2021 (arXiv:2110.00641, Sec. 3):
              L = E_μ[ (π_prox/μ) · min(r_t·A_t, clip(r_t, 1 − ε, 1 + ε)·A_t) ],  r_t = π_θ/π_prox,
              i.e. the ratio is clipped against the proximal policy (`old_logps`, the learner before this update)

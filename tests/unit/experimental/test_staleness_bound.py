@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from async_rlhf import AsyncOnlineDPOConfig, AsyncRLOOConfig
+from async_rlhf import AsyncGRPOConfig, AsyncOnlineDPOConfig, AsyncPPOConfig, AsyncRLOOConfig
 from async_rlhf.errors import ConfigError
 from async_rlhf.experimental.partial_rollouts import PartialRollouts, deadline, origins
 from async_rlhf.types import Completion, RolloutBatch
@@ -142,10 +142,11 @@ def test_configuration_of_the_rule(make_config):
 
 
 def test_auto_correction_is_the_clipped_ratio_at_every_staleness(make_config):
-    # nothing beat the clipped ratio on the sorting task (three seeds; evals/results/sorting_staleness/NOTES.md), and
-    # TIS collapsed RLOO and PPO at N = 16
-    for fields in ({"max_staleness": 0}, {"max_staleness": 1}, {"num_mini_batches": 4}, {"num_mini_batches": 16},
-                   {"max_staleness": 4}):
-        assert make_config(AsyncRLOOConfig, **fields).off_policy_correction == "none", fields
+    # no correction beat the clipped ratio on the sorting task, for RLOO, PPO or GRPO (five seeds:
+    # evals/results/sorting_corrections_seeds45/NOTES.md, evals/results/sorting_grpo_tis/NOTES.md)
+    for config_cls in (AsyncRLOOConfig, AsyncPPOConfig, AsyncGRPOConfig):
+        for fields in ({"max_staleness": 0}, {"max_staleness": 1}, {"num_mini_batches": 4}, {"num_mini_batches": 16},
+                       {"max_staleness": 4}):
+            assert make_config(config_cls, **fields).off_policy_correction == "none", (config_cls, fields)
     assert make_config(AsyncRLOOConfig, max_staleness=1, off_policy_correction="tis").off_policy_correction == "tis"
     assert not hasattr(make_config(AsyncOnlineDPOConfig), "off_policy_correction")  # DPO: no importance ratio
