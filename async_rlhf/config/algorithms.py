@@ -62,7 +62,7 @@ class AsyncPolicyGradientConfig(AsyncRLConfig):
                   "1 gives them one: passes after the first clip pi/pi_prox, which with 'decoupled' is AReaL's "
                   "decoupled PPO (Hilton et al. 2021). 'auto' (default): 'none', the clipped ratio, for every "
                   "algorithm and staleness, because in our records no correction beat it (sorting task, five seeds, "
-                  "final gold reward, correction minus none, Welch 95%: tis at N = 4 / 8 / 16: RLOO -0.054 [-0.131, "
+                  "final gold reward, correction minus none, Welch 95 percent intervals: tis at N = 4 / 8 / 16: RLOO -0.054 [-0.131, "
                   "+0.023] / -0.103 [-0.198, -0.007] / -0.395 [-0.549, -0.241], PPO -0.041 [-0.100, +0.018] / "
                   "-0.085 [-0.183, +0.014] / -0.591 [-0.724, -0.459], GRPO -0.109 [-0.190, -0.028] at N = 4 and "
                   "-0.353 [-0.479, -0.228] at 16; decoupled at two passes, N = 1 / 8: RLOO -0.003 [-0.093, +0.087] / "
@@ -97,7 +97,6 @@ class AsyncPolicyGradientConfig(AsyncRLConfig):
         _require(self.is_cap > 1, "is_cap", f"must be > 1, got {self.is_cap}")
         _require(0 <= self.is_floor < 1, "is_floor", f"must be in [0, 1), got {self.is_floor}")
         _require(self.num_iterations >= 1, "num_iterations", f"must be >= 1, got {self.num_iterations}")
-        super().__post_init__()
         if self.off_policy_correction == "auto":  # the clipped ratio: nothing beat it in our records (help above)
             self.off_policy_correction = "none"
         super().__post_init__()
