@@ -41,7 +41,10 @@ class BaselineError(ValueError):
 def sft_baseline(path: str, runs) -> dict:
     """The SFT policy's metrics from a `{size: metrics}` file, for the one policy size the runs trained."""
     with open(path) as f:
-        sizes = json.load(f)
+        try:
+            sizes = json.load(f)
+        except json.JSONDecodeError as e:
+            raise BaselineError(f"{path}: not JSON ({e})") from e
     trained = sorted({str(r.flags.get("sorting_policy", "default")) for r in runs})
     if len(trained) != 1:
         raise BaselineError(f"{path}: the runs trained policies of {len(trained)} sizes ({', '.join(trained)}); "

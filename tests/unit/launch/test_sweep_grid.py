@@ -199,6 +199,10 @@ def test_sft_baseline_is_the_trained_size_and_drawn_on_the_plots(tmp_path):
     only_default.write_text(json.dumps({"default": {"gold_reward": 1.06}}))
     with pytest.raises(aggregate.BaselineError, match=r"default_only.json: no entry for .*'small' \(it has: default\)"):
         aggregate.sft_baseline(str(only_default), runs)
+    not_json = tmp_path / "not_json.json"
+    not_json.write_text("{bad")
+    with pytest.raises(aggregate.BaselineError, match="not_json.json: not JSON"):
+        aggregate.sft_baseline(str(not_json), runs)
     runs[0].flags = {**runs[0].flags, "sorting_policy": "large"}
     with pytest.raises(aggregate.BaselineError, match="2 sizes \\(large, small\\)"):
         aggregate.sft_baseline(baseline, runs)
