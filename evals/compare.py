@@ -11,7 +11,9 @@ completions, as TRL's does). Then prints
 * every cell: seeds, mean and the 95% t-interval of the mean (sample standard deviation, n - 1 degrees of freedom);
 * each contrast asked for: a signed sum of cell means (`A:16 - A:1`; an interaction such as
   `small:16 - small:1 - default:16 + default:1`) with its Welch 95% interval (independent cells, unequal variances,
-  Welch-Satterthwaite degrees of freedom). With no contrast given: each algorithm's every N against its N = 1.
+  Welch-Satterthwaite degrees of freedom). With no contrast given: each algorithm's every N against its N = 1;
+* a note for each cell whose seeds started from different initial policies (each run's `initial_policy` in
+  run_summary.json: a rebuilt SFT policy is another experiment). Records made before runs kept it say nothing.
 
 The value is a final evaluation metric (`--metric`, default the run's score: `gold_win_rate`, else the training
 score) or, with `--step S`, the evaluation of that metric logged at step S during training (`gold_eval_steps`).
@@ -73,10 +75,9 @@ def varying_flags(runs: list[RunResult], by: tuple[str, ...]) -> dict[str, tuple
             for algorithm, group in groups.items()}
 
 
-def pool_cells(dirs: list[str], metric: str | None = None, step: int | None = None,
-               by: tuple[str, ...] = ()) -> dict[str, dict[int, float]]:
-    """'ALGORITHM:N' -> {seed: value} over the finished runs of every directory (cells split by the flags `by`)."""
-    cells: dict[str, dict[int, float]] = {}
+def pool_runs(dirs: list[str], by: tuple[str, ...] = ()) -> dict[str, dict[int, RunResult]]:
+    """'ALGORITHM:N' -> {seed: run} over the finished runs of every directory (cells split by the flags `by`)."""
+    pooled: dict[str, dict[int, RunResult]] = {}
     loaded = []
     for d in dirs:
         runs, _ = load_runs(d)
@@ -87,14 +88,42 @@ def pool_cells(dirs: list[str], metric: str | None = None, step: int | None = No
     for d, runs in loaded:
         for run in runs:
             key = cell_key(run, varying.get(run.algorithm, ()))
-            seeds = cells.setdefault(key, {})
+            seeds = pooled.setdefault(key, {})
             if run.seed in seeds:
                 raise SystemExit(f"{d}: cell {key} seed {run.seed} is also in an earlier directory; each seed counts "
                                  f"once (if the directories ran it at different settings, name the flag: --by FLAG)")
-            value = run_value(run, metric, step)
-            if not math.isnan(value):
-                seeds[run.seed] = value
+            seeds[run.seed] = run
+    return pooled
+
+
+def cell_values(pooled: dict[str, dict[int, RunResult]], metric: str | None = None,
+                step: int | None = None) -> dict[str, dict[int, float]]:
+    """'ALGORITHM:N' -> {seed: value}, runs without the value left out."""
+    cells: dict[str, dict[int, float]] = {}
+    for key, runs in pooled.items():
+        values = {seed: run_value(run, metric, step) for seed, run in runs.items()}
+        cells[key] = {seed: v for seed, v in values.items() if not math.isnan(v)}
     return cells
+
+
+def pool_cells(dirs: list[str], metric: str | None = None, step: int | None = None,
+               by: tuple[str, ...] = ()) -> dict[str, dict[int, float]]:
+    """'ALGORITHM:N' -> {seed: value} over the finished runs of every directory (cells split by the flags `by`)."""
+    return cell_values(pool_runs(dirs, by), metric, step)
+
+
+def mixed_initial_policies(pooled: dict[str, dict[int, RunResult]]) -> list[str]:
+    """A line for each cell whose seeds started from more than one recorded initial policy (run_summary.json's
+    `initial_policy`, see async_rlhf/trainers/provenance.py): such a cell pools two experiments."""
+    lines = []
+    for key, runs in pooled.items():
+        by_policy: dict[str, list[int]] = {}
+        for seed in sorted(runs):
+            by_policy.setdefault(runs[seed].initial_policy or "unrecorded", []).append(seed)
+        if len([p for p in by_policy if p != "unrecorded"]) > 1:
+            parts = "; ".join(f"{p[:12]}: seeds {' '.join(map(str, s))}" for p, s in by_policy.items())
+            lines.append(f"note: cell {key} pools runs from {len(by_policy)} initial policies ({parts})")
+    return lines
 
 
 def mean_interval(values: list[float]) -> Estimate:
@@ -179,8 +208,11 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--contrast", action="append", default=None,
                         help="signed cells, e.g. 'ppo_none:16 - ppo_none:1' (repeat for more)")
     args = parser.parse_args(argv)
-    cells = pool_cells(args.dirs, args.metric, args.step, tuple(args.by or ()))
+    pooled = pool_runs(args.dirs, tuple(args.by or ()))
+    cells = cell_values(pooled, args.metric, args.step)
     lines = report(cells, args.contrast if args.contrast is not None else default_contrasts(cells))
+    notes = mixed_initial_policies(pooled)
+    lines += [""] + notes if notes else []
     print("\n".join(lines))
     return lines
 

@@ -80,6 +80,13 @@ class RunResult:
     def kl(self) -> float:
         return float(self.eval[GOLD_KL]) if self.kl_source == GOLD_KL else self._tail_mean(TRAIN_KL)
 
+    @property
+    def initial_policy(self) -> str | None:
+        """The fingerprint of the weights the run started from (run_summary.json's `initial_policy`: a SHA-256, or
+        a hub snapshot commit); None for a record made before runs kept it, or an in-memory model."""
+        record = self.summary.get("initial_policy") or {}
+        return record.get("sha256") or record.get("commit")
+
     def eval_value(self, name: str) -> float:
         return float(self.eval[name]) if self.eval and name in self.eval else math.nan
 

@@ -43,6 +43,7 @@ from async_rlhf.learner.nonfinite import NonFiniteGuard, NonFiniteSteps
 from async_rlhf.pipeline.prompt_stream import total_steps
 from async_rlhf.pipeline.rollout_pipeline import RolloutPipeline
 from async_rlhf.scoring.rewards import RewardScorer, score_parts, score_rows
+from async_rlhf.trainers import provenance
 from async_rlhf.trainers.hooks import PipelineHooks, StepTickets, disable_dropout
 from async_rlhf.trainers.run_summary import build_summary, format_summary
 from async_rlhf.trainers.startup import StartupTimeline
@@ -180,6 +181,8 @@ class AsyncTrainerBase(Trainer):
                          train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
                          compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers,
                          preprocess_logits_for_metrics=preprocess_logits_for_metrics)
+        self.initial_policy = (provenance.initial_policy_record(self._source_model_path, model)
+                               if self.accelerator.is_main_process else {})  # run_summary.json's `initial_policy`
         # a DeepSpeed engine under DeepSpeed; None for a LoRA policy (`logprobs.sequence_terms` switches adapters off)
         self.ref_model = prepare_frozen(ref_model, self.accelerator) if ref_model is not None else None
         self.scorer = RewardScorer(reward_funcs, args.reward_weights, reward_processing_classes,
@@ -412,6 +415,7 @@ class AsyncTrainerBase(Trainer):
                                          time.perf_counter() - t0, self._loop_seconds, self.scorer.skipped,
                                          self._last_metrics, eval_seconds=self.eval_seconds)
         self.run_summary["startup"] = self.timeline.as_dict()
+        self.run_summary["initial_policy"] = self.initial_policy
         if lora:
             self.run_summary["lora"] = peft_policy.memory_report(self.model, self.optimizer)
         if self.accelerator.is_main_process:

@@ -117,3 +117,14 @@ def test_summary_compares_the_step_time_with_the_simulator(runs, staleness):
     assert plan["measured_step_seconds"] == pytest.approx(summary["loop_seconds"] / summary["steps"])
     assert plan["predicted_step_seconds"] > 0
     assert "plan: step" in log
+
+
+def test_the_summary_names_the_weights_the_run_started_from(runs):
+    """run_summary.json's `initial_policy`: the toy policy's directory and a content hash of its weights, which is
+    how evals/compare.py tells two builds of one policy apart."""
+    from async_rlhf.trainers.provenance import fingerprint
+
+    summary, _, _, out = runs[2]
+    record = summary["initial_policy"]
+    assert record["path"] == str(out / "init_model")
+    assert (record["sha256"], record["content"]) == (fingerprint(str(out / "init_model"))["sha256"], True)

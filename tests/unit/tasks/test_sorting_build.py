@@ -59,3 +59,15 @@ def test_reduced_build_and_the_recipe_flag(tmp_path, monkeypatch):
     assert results["num_prompts"] == 4 and results["kl"] == pytest.approx(0.0, abs=1e-4)
     assert 0 <= results["gold_reward"] <= 2 and results["reference_gold_reward"] == 2.0
     assert evaluated["temperature"] == 1.0  # sampled: greedily the SFT policy leaves nothing to measure
+
+
+def test_a_rebuild_on_the_same_machine_is_the_same_policy(tmp_path, monkeypatch):
+    """A cache that is gone is rebuilt to the same bytes (seeded, the machine's thread count): records made before and
+    after agree. Another thread count or other build code makes another policy, which a run's `initial_policy`
+    tells apart (trainers/provenance.py)."""
+    from async_rlhf.trainers.provenance import fingerprint
+
+    real = prepare.evaluate_policy
+    monkeypatch.setattr(prepare, "evaluate_policy", lambda *a, **k: real(*a, **{**k, "num_prompts": 4}))
+    builds = [prepare_sorting(cache_dir=str(tmp_path / name), sft=TINY_SFT)["sft_model"] for name in ("a", "b")]
+    assert fingerprint(builds[0]) == fingerprint(builds[1])
