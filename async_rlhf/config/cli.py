@@ -119,13 +119,31 @@ def set_process_defaults() -> None:
     """Environment defaults for a recipe's process, set before the libraries read them (children inherit them):
     - wandb offline unless the user set WANDB_MODE (no login prompt when `report_to` names wandb);
     - DeepSpeed told it runs on the CPU when no GPU is visible: left to detect it, it warns "Setting accelerator to
-      CPU. If you have GPU or other accelerator, we were unable to detect it." on every run, though nothing is wrong.
+      CPU. If you have GPU or other accelerator, we were unable to detect it." on every run, though nothing is wrong;
+    - transformers' own progress bars ("Loading weights", "Writing model shards") shown only once they have run
+      `BAR_DELAY_SECONDS` (`delayed_bars`): a run loads and saves its models several times (policy, reference, the
+      evaluations, the final save), and a bar for a load that took no time is a line that says nothing; a large
+      model's load still shows its bar. Downloads from the hub are huggingface_hub's bars, untouched; a tqdm hook
+      the user set is kept.
     """
     os.environ.setdefault("WANDB_MODE", "offline")
     import torch
+    from transformers.utils import logging as hf_logging
 
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    previous = hf_logging.set_tqdm_hook(delayed_bars)
+    if previous not in (None, delayed_bars):  # the user's own hook decides
+        hf_logging.set_tqdm_hook(previous)
+
+
+BAR_DELAY_SECONDS = 2.0
+
+
+def delayed_bars(factory, args: tuple, kwargs: dict):
+    """transformers' tqdm hook: a bar appears only after `BAR_DELAY_SECONDS` (tqdm's `delay`) unless its caller
+    set a delay of its own."""
+    return factory(*args, **{"delay": BAR_DELAY_SECONDS, **kwargs})
 
 
 def run_recipe(main, argv: list[str]) -> None:

@@ -47,6 +47,8 @@ def test_readme_accelerate_launch_runs_as_printed_and_shows_each_fact_once(tmp_p
     assert "had defaults used instead" not in console, console[:2000]  # accelerate's list of chosen defaults
     assert console.count("Running in WANDB offline mode") <= 1, console[:3000]
     assert "Traceback" not in console
+    # transformers' bars for the run's quick loads and its save (policy, reference, evaluation): nothing to read
+    assert "Loading weights" not in console and "Writing model shards" not in console, console[-3000:]
     # off a terminal, the metric dicts follow one another with nothing between them: no tqdm redraws, which a viewer
     # that breaks lines at "\r" (a CI log, a `tee`d file) shows as a column of blank lines
     lines = re.split(r"\r\n|\r|\n", console)
