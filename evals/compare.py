@@ -11,7 +11,8 @@ completions, as TRL's does). Then prints
 * every cell: seeds, mean and the 95% t-interval of the mean (sample standard deviation, n - 1 degrees of freedom);
 * each contrast asked for: a signed sum of cell means (`A:16 - A:1`; an interaction such as
   `small:16 - small:1 - default:16 + default:1`) with its Welch 95% interval (independent cells, unequal variances,
-  Welch-Satterthwaite degrees of freedom). With no contrast given: each algorithm's every N against its N = 1;
+  Welch-Satterthwaite degrees of freedom; a cell with one seed, as in a `--quick` sweep, gives the difference
+  without an interval). With no contrast given: each algorithm's every N against its N = 1;
 * a note for each cell whose seeds started from different initial policies (each run's `initial_policy` in
   run_summary.json: a rebuilt SFT policy is another experiment). Records made before runs kept it say nothing.
 
@@ -193,6 +194,12 @@ def report(cells: dict[str, dict[int, float]], contrasts: list[str]) -> list[str
         missing = [k for _, k in terms if k not in cells]
         if missing:
             raise SystemExit(f"--contrast {text!r}: no cell {', '.join(missing)} (cells: {', '.join(cells)})")
+        few = [k for _, k in terms if len(cells[k]) < 2]
+        if few:  # no interval from one seed (a --quick sweep): said in its row, the other rows still computed
+            value = sum(sign * sum(cells[k].values()) / len(cells[k]) for sign, k in terms)
+            lines.append(f"| {text} | {value:+.3f}, no interval: "
+                         f"{', '.join(f'{k} has {len(cells[k])} seed' for k in few)}, an interval needs 2 | |")
+            continue
         e = contrast([(sign, list(cells[k].values())) for sign, k in terms])
         lines.append(f"| {text} | {signed(e)} | {e.df:.1f} |")
     return lines

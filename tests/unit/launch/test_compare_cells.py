@@ -34,6 +34,10 @@ def test_contrasts_parse_and_bad_ones_are_named():
         compare.parse_contrast("ppo_none:16 minus ppo_none:1")
     with pytest.raises(SystemExit, match="no cell ppo:9"):
         compare.report({"ppo:1": {1: 1.0, 2: 2.0}}, ["ppo:9 - ppo:1"])
+    one_seed = compare.report({"ppo:1": {1: 1.0}, "ppo:2": {1: 1.5}}, ["ppo:2 - ppo:1"])  # a --quick sweep
+    assert one_seed[2] == "| ppo:1 | 1 | 1.000 | 1.000 [nan, nan] |"
+    assert one_seed[-1] == ("| ppo:2 - ppo:1 | +0.500, no interval: ppo:2 has 1 seed, ppo:1 has 1 seed, an interval "
+                            "needs 2 | |")
 
 
 def test_the_five_seed_staleness_finding_is_what_the_notes_state():
